@@ -1,0 +1,149 @@
+"""Load and save Hugging Face model directories (safetensors), with errors that name the problem.
+
+Loading builds the model on the meta device and assigns tensors read straight onto the target device in
+the target dtype, so a bf16 GPU model never exists as an fp32 copy in host memory. Saving writes a
+directory transformers loads as-is (`Qwen2ForCausalLM.from_pretrained`), atomically: everything goes
+into a temporary sibling directory that is renamed into place only when complete, so a crash mid-save
+never leaves a half-written checkpoint where a good one was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from minigrpo.config import ModelConfig
+from minigrpo.model import Qwen2ForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+# Buffers some older checkpoints carry that this model recomputes instead of storing.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A model directory whose weights do not match the config, or are unreadable."""
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """Map each safetensors file to read -> its path, from the index when the checkpoint is sharded."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from None
+        files = {name: model_dir / name for name in sorted(set(weight_map.values()))}
+        missing = [str(p) for p in files.values() if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shard(s) that are not there: {missing}; "
+                                    f"the download is incomplete, run `python weights/download.py` again")
+        return files
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return {SINGLE_FILE: single}
+    present = sorted(p.name for p in model_dir.iterdir()) if model_dir.is_dir() else []
+    raise FileNotFoundError(f"no weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE}, found {present}. "
+                            f"Download with `python weights/download.py`, or write a random model with "
+                            f"`python weights/download.py --random-init --config CONFIG --out DIR`")
+
+
+def read_state_dict(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory, read onto `device` and cast to `dtype` one tensor at a time."""
+    model_dir = Path(model_dir)
+    device = str(torch.device(device))
+    state = {}
+    for name, path in _weight_files(model_dir).items():
+        try:
+            with safe_open(path, framework="pt", device=device) as f:
+                for key in f.keys():
+                    if key in state:
+                        raise CheckpointError(f"tensor {key!r} appears in more than one file (again in {path})")
+                    state[key] = f.get_tensor(key).to(dtype)
+        except SafetensorError as e:
+            raise CheckpointError(f"{path} is truncated or corrupt and cannot be read ({e}); "
+                                  f"delete it and download again") from None
+    return state
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+               device: str | torch.device = "cpu") -> Qwen2ForCausalLM:
+    """A Qwen2ForCausalLM from an HF model directory: config.json + (sharded) safetensors."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist; download one with "
+                                f"`python weights/download.py --out {model_dir}`")
+    cfg = ModelConfig.from_json(model_dir / "config.json")
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    state = read_state_dict(model_dir, dtype, device)
+    state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # some tied checkpoints store it anyway; the embedding is the truth
+    expected = {k: v.shape for k, v in model.state_dict().items()
+                if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{model_dir}: weights do not match config.json: "
+                              f"missing {len(missing)} tensor(s) {missing[:20]}, "
+                              f"unexpected {len(unexpected)} tensor(s) {unexpected[:20]}")
+    bad = [f"{k}: expected {tuple(expected[k])}, found {tuple(v.shape)}"
+           for k, v in state.items() if v.shape != expected[k]]
+    if bad:
+        raise CheckpointError(f"{model_dir}: shape mismatch with config.json for {len(bad)} tensor(s): "
+                              + "; ".join(bad[:20]))
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()  # assign=True replaced the shared Parameter; share it again
+    return model
+
+
+def save_model(model: Qwen2ForCausalLM, out_dir: str | Path, *, tokenizer_dir: str | Path | None = None,
+               dtype: torch.dtype | None = None) -> Path:
+    """Write an HF model directory atomically: model.safetensors, config.json, generation_config.json,
+    and the tokenizer files copied from `tokenizer_dir` (the directory the model was loaded from)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"cannot save a model to {out_dir}: it exists and is not a directory")
+    cfg = model.config
+    state = {}
+    for k, v in model.state_dict().items():
+        if cfg.tie_word_embeddings and k == "lm_head.weight":
+            continue  # tied: transformers re-ties it from the embedding on load
+        state[k] = v.detach().to(dtype or v.dtype, copy=False).contiguous().cpu()
+    saved_dtype = next(iter(state.values())).dtype
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, tmp / SINGLE_FILE, metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(str(saved_dtype).removeprefix("torch.")), indent=2))
+    gen_cfg = Path(tokenizer_dir) / "generation_config.json" if tokenizer_dir else None
+    if gen_cfg is not None and gen_cfg.is_file():
+        shutil.copy2(gen_cfg, tmp / gen_cfg.name)
+    else:
+        gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id)) if v is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
+    _replace_dir(tmp, out_dir)
+    return out_dir
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Move `new` into place at `target`; an old `target` is removed only after the new one is in place."""
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+        os.replace(new, target)
+        shutil.rmtree(old)
+    else:
+        os.replace(new, target)

@@ -1,0 +1,127 @@
+"""Model configuration, read from a Hugging Face `config.json`.
+
+Only the fields the Qwen2 architecture here actually uses are kept. Every other setting that would change
+the computation (sliding-window attention, RoPE scaling, another activation, another model type) is rejected
+with a clear error instead of being silently ignored: a model that loads but computes something else is the
+worst kind of bug in RL, where it shows up only as a reward curve that is a little off.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A config.json this implementation cannot run faithfully."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    # Not used by the computation, but written back on save so the checkpoint loads everywhere.
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by "
+                              f"num_attention_heads {self.num_attention_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                              f"num_key_value_heads {self.num_key_value_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def n_rep(self) -> int:
+        """Query heads per KV head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> "ModelConfig":
+        _check_supported(d, source)
+        missing = [f for f in _REQUIRED if f not in d]
+        if missing:
+            raise ConfigError(f"{source}: missing required field(s) {missing}")
+        kwargs = {f: d[f] for f in _FIELDS if f in d}
+        kwargs.setdefault("num_key_value_heads", d["num_attention_heads"])  # HF's default: no GQA
+        rope_params = d.get("rope_parameters")  # transformers 5 nests rope_theta here
+        if isinstance(rope_params, dict) and "rope_theta" in rope_params:
+            kwargs.setdefault("rope_theta", rope_params["rope_theta"])
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no model config at {path}; a model directory needs a config.json "
+                                    f"(download one with `python weights/download.py`)")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path} must hold a JSON object, found {type(d).__name__}")
+        return cls.from_dict(d, source=str(path))
+
+    def to_hf_dict(self, torch_dtype: str = "bfloat16") -> dict:
+        """A config.json that transformers' Qwen2ForCausalLM loads as this exact architecture."""
+        d = {k: v for k, v in asdict(self).items() if v is not None}
+        d.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu",
+                 attention_dropout=0.0, use_sliding_window=False, sliding_window=None,
+                 head_dim=self.head_dim, torch_dtype=torch_dtype, use_cache=True)
+        return d
+
+
+_FIELDS = [f for f in ModelConfig.__dataclass_fields__]
+_REQUIRED = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+
+
+def _check_supported(d: dict, source: str) -> None:
+    """Reject settings that would change the computation but that this implementation does not implement."""
+    model_type = d.get("model_type")
+    if model_type != "qwen2":
+        raise ConfigError(f"{source}: model_type {model_type!r} is not supported; minigrpo implements "
+                          f"the Qwen2/Qwen2.5 architecture (model_type 'qwen2') only")
+    if d.get("use_sliding_window", False):
+        raise ConfigError(f"{source}: use_sliding_window=true is not supported (sliding-window attention "
+                          f"is not implemented); set it to false or use a model without it")
+    rope_scaling = d.get("rope_scaling")
+    if rope_scaling not in (None, {}) and (rope_scaling.get("rope_type", rope_scaling.get("type")) != "default"):
+        raise ConfigError(f"{source}: rope_scaling {rope_scaling!r} is not supported; only plain RoPE "
+                          f"(rope_scaling null) is implemented")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{source}: hidden_act {act!r} is not supported; Qwen2 uses 'silu' (SwiGLU)")
+    head_dim = d.get("head_dim")
+    if head_dim is not None and d.get("num_attention_heads") and head_dim * d["num_attention_heads"] != d.get("hidden_size"):
+        raise ConfigError(f"{source}: head_dim {head_dim} x num_attention_heads {d['num_attention_heads']} != "
+                          f"hidden_size {d.get('hidden_size')}; a decoupled head_dim is not supported")
+    rope_params = d.get("rope_parameters")
+    if isinstance(rope_params, dict) and rope_params.get("rope_type", "default") != "default":
+        raise ConfigError(f"{source}: rope_parameters {rope_params!r} are not supported; only plain RoPE is")

@@ -1,0 +1,58 @@
+"""Reference generation: the simplest correct decoder, the yardstick for the fast rollout engine.
+
+No KV cache: every step runs the full forward over the left-padded batch and takes the last position's
+logits. That is quadratic in length and slow, and that is the point: there is no cache, paging or graph
+capture in which a bug could hide. The engine must reproduce its greedy tokens exactly (fp32, CPU).
+Sampling goes through the same `minigrpo.sampling.sample` as the engine, with the same per-sequence seeds,
+so sampled rollouts can be compared too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minigrpo.model import Qwen2ForCausalLM
+from minigrpo.sampling import GREEDY, SamplingParams, sample
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids, attention_mask), both (B, T), padded on the left."""
+    if not seqs or any(len(s) == 0 for s in seqs):
+        raise ValueError("every prompt must hold at least one token")
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, T - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, T - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: int, *,
+             params: SamplingParams = GREEDY, stop_ids: tuple[int, ...] = (), pad_id: int = 0,
+             seeds: list[int] | None = None) -> list[list[int]]:
+    """Completions for each prompt: up to max_new_tokens tokens, ending with the first stop id if one is drawn."""
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_id, device)                                     # (B, T)
+    B = ids.shape[0]
+    seeds_t = torch.tensor(seeds if seeds is not None else [0] * B, dtype=torch.long, device=device)
+    stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
+    out = torch.empty((B, 0), dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        logits = model(ids, attention_mask=mask)[:, -1]                               # (B, V)
+        counters = torch.full((B,), step, dtype=torch.long, device=device)
+        tok, _ = sample(logits, params, seeds_t, counters)                            # (B,)
+        tok = torch.where(done, pad_id, tok)
+        out = torch.cat([out, tok[:, None]], dim=1)
+        done |= torch.isin(tok, stops)
+        ids = torch.cat([ids, tok[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones_like(tok)[:, None]], dim=1)
+        if bool(done.all()):
+            break
+    result = []
+    for row in out.tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
+        result.append(row[:cut])
+    return result

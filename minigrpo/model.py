@@ -1,0 +1,178 @@
+"""The Qwen2 / Qwen2.5 decoder: the reference forward over full (optionally left-padded) sequences.
+
+This is the model the trainer differentiates and the yardstick the fast rollout engine is checked against.
+It favours plain, obviously-correct code over speed: one forward over whole sequences, SDPA attention
+with an explicit mask, no KV cache. Parameter names are exactly Hugging Face's (`model.layers.0.self_attn.
+q_proj.weight`, ...), so a state dict moves between this model, safetensors files and transformers with
+no rename table.
+
+Numerics follow the Hugging Face implementation op for op (RMSNorm in fp32 then cast back before the
+weight, RoPE tables in fp32 then cast to the activation dtype), so bf16 logits agree closely, not just
+approximately.
+
+Shape legend: B batch, T sequence length, C hidden size, H query heads, K key/value heads,
+D head dim, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minigrpo.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32 whatever the activation dtype; cast back *before* the weight, as HF does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables for explicit integer positions, computed in fp32 then cast. (..., ) -> (..., D) each."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float()
+                                / head_dim))                          # (D/2,)
+    freqs = positions.float()[..., None] * inv_freq                  # (..., D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)                          # (..., D): HF's non-interleaved layout
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + D/2) of the last dim. x (..., D); cos/sin broadcastable to x."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        C, H, K, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = H, K, D
+        self.q_proj = nn.Linear(C, H * D, bias=True)
+        self.k_proj = nn.Linear(C, K * D, bias=True)
+        self.v_proj = nn.Linear(C, K * D, bias=True)
+        self.o_proj = nn.Linear(H * D, C, bias=False)
+
+    def forward(self, x, cos, sin, mask):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        cos, sin = cos[:, None], sin[:, None]                                           # (B, 1, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if mask is None:  # no padding: the fused causal kernels apply
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        C, Fw = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(C, Fw, bias=False)
+        self.up_proj = nn.Linear(C, Fw, bias=False)
+        self.down_proj = nn.Linear(Fw, C, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Model(nn.Module):
+    """Embedding, decoder stack, final norm: HF's `model.*` submodule."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen2ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen2Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (also after `load_state_dict(assign=True)`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states, (B, T) -> (B, T, C). The trainer applies the LM head in chunks itself.
+
+        attention_mask (B, T): 1 for real tokens, 0 for padding (left padding expected). Positions default to
+        the count of real tokens before each one, so a left-padded row computes exactly what it computes alone.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                                 f"{tuple(input_ids.shape)}")
+            real = attention_mask.bool()                                                  # (B, T)
+            if positions is None:
+                positions = (real.long().cumsum(-1) - 1).clamp(min=0)                     # (B, T)
+            causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()   # (T, T)
+            # A query sees earlier real keys; it always sees itself, so padding rows stay finite (their
+            # outputs are never used) instead of softmaxing over nothing and producing NaN.
+            mask = (causal & real[:, None, :]) | torch.eye(T, dtype=torch.bool, device=input_ids.device)
+            mask = mask[:, None]                                                          # (B, 1, T, T)
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)             # (B, T)
+        cfg = self.config
+        x = self.model.embed_tokens(input_ids)                                            # (B, T, C)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)         # (B, T, D)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask)
+        return self.model.norm(x)                                                         # (B, T, C)
+
+    def forward(self, input_ids, attention_mask=None, positions=None) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, V) logits."""
+        return self.lm_head(self.hidden_states(input_ids, attention_mask, positions))
+
+
+@torch.no_grad()
+def init_weights(model: Qwen2ForCausalLM, generator: torch.Generator, std: float = 0.02) -> None:
+    """Random initialisation as transformers does it (normal(0, initializer_range), zero biases, unit norms).
+
+    The generator is explicit so a random model is reproducible. Runs on the model's device and dtype.
+    """
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            if module is model.lm_head and model.config.tie_word_embeddings:
+                continue  # shares the embedding, already initialised
+            w = torch.empty(module.weight.shape, dtype=torch.float32, device=generator.device)
+            module.weight.copy_(w.normal_(0.0, std, generator=generator))
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)

@@ -1,0 +1,35 @@
+"""Shared test fixtures: tiny random configs, the shared data folder, and the GPU marker's skip."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from minigrpo.config import ModelConfig
+from minigrpo.model import Qwen2ForCausalLM, init_weights
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+QWEN_DIR = SHARED_DATA / "qwen2.5-0.5b-instruct"
+
+
+def tiny_config(n_heads=14, n_kv_heads=2, head_dim=8, tied=True, vocab=256, layers=2, **kw) -> ModelConfig:
+    """A few-layer Qwen2 config; n_heads / n_kv_heads sets the GQA ratio (7 as in Qwen2.5-0.5B by default)."""
+    return ModelConfig(vocab_size=vocab, hidden_size=n_heads * head_dim, intermediate_size=64,
+                       num_hidden_layers=layers, num_attention_heads=n_heads, num_key_value_heads=n_kv_heads,
+                       rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512,
+                       tie_word_embeddings=tied, **kw)
+
+
+def random_model(cfg: ModelConfig, seed=0, std=0.02, dtype=torch.float32, device="cpu") -> Qwen2ForCausalLM:
+    model = Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype)
+    init_weights(model, torch.Generator().manual_seed(seed), std=std)
+    return model.eval()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -9,10 +9,19 @@ so sampled rollouts can be compared too.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from minigrpo.model import Qwen2ForCausalLM
 from minigrpo.sampling import GREEDY, SamplingParams, sample
+
+
+@dataclass
+class Rollout:
+    """What any generator returns: one completion per (prompt, sample), group-major (a prompt's samples adjacent)."""
+    tokens: list[list[int]]      # completion ids, ending with the first stop id when one was drawn
+    logprobs: list[list[float]]  # log-prob of each token under the distribution it was sampled from
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,28 +40,33 @@ def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
 @torch.no_grad()
 def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: int, *,
              params: SamplingParams = GREEDY, stop_ids: tuple[int, ...] = (), pad_id: int = 0,
-             seeds: list[int] | None = None) -> list[list[int]]:
-    """Completions for each prompt: up to max_new_tokens tokens, ending with the first stop id if one is drawn."""
+             seeds: list[int] | None = None) -> Rollout:
+    """A completion for each prompt: up to max_new_tokens tokens, ending with the first stop id if one is drawn.
+
+    For G samples of a prompt, pass the prompt G times with G different seeds."""
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)                                     # (B, T)
     B = ids.shape[0]
     seeds_t = torch.tensor(seeds if seeds is not None else [0] * B, dtype=torch.long, device=device)
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     out = torch.empty((B, 0), dtype=torch.long, device=device)
+    out_logp = torch.empty((B, 0), dtype=torch.float32, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
         logits = model(ids, attention_mask=mask)[:, -1]                               # (B, V)
         counters = torch.full((B,), step, dtype=torch.long, device=device)
-        tok, _ = sample(logits, params, seeds_t, counters)                            # (B,)
+        tok, logp = sample(logits, params, seeds_t, counters)                         # (B,)
         tok = torch.where(done, pad_id, tok)
         out = torch.cat([out, tok[:, None]], dim=1)
+        out_logp = torch.cat([out_logp, logp[:, None]], dim=1)
         done |= torch.isin(tok, stops)
         ids = torch.cat([ids, tok[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones_like(tok)[:, None]], dim=1)
         if bool(done.all()):
             break
-    result = []
-    for row in out.tolist():
+    tokens, logprobs = [], []
+    for row, row_logp in zip(out.tolist(), out_logp.tolist()):
         cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
-        result.append(row[:cut])
-    return result
+        tokens.append(row[:cut])
+        logprobs.append(row_logp[:cut])
+    return Rollout(tokens, logprobs)

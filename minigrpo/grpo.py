@@ -1,0 +1,163 @@
+"""Dr. GRPO: group-relative advantages and the clipped policy-gradient loss.
+
+Reference: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective" (Dr. GRPO).
+GRPO (Shao et al. 2024) normalises in two places that bias the optimisation:
+  * advantages are divided by the group's reward std, so prompts that are almost always solved (or almost
+    never) get *up-weighted* -- a difficulty bias unrelated to how informative the samples are;
+  * each sequence's token losses are averaged over its own length, so a wrong long answer is penalised
+    less per token than a wrong short one -- this is what makes GRPO responses grow without bound.
+Dr. GRPO removes both: A = r - mean_group(r), and the loss is a token *sum* divided by a constant
+(number of sequences x max_new_tokens), so every token gets the same weight no matter the length.
+
+Everything here is batched torch with no host syncs (no .item(), no data-dependent Python control flow),
+so it runs the same on CPU and GPU and does not stall a CUDA stream.
+
+Shape legend:
+  B  prompts in the batch        G  samples per prompt (group size)
+  N  = B * G sequences, group-major: the G samples of prompt b are rows [b*G, (b+1)*G)
+  C  completion length (padded), C <= max_new_tokens
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _check_groups(x: torch.Tensor, group_size: int, name: str) -> None:
+    if x.ndim != 1:
+        raise ValueError(f"{name} must be 1-D (N,), got shape {tuple(x.shape)}")
+    if group_size < 1 or x.shape[0] % group_size != 0:
+        raise ValueError(
+            f"{name} has {x.shape[0]} entries, not a multiple of group_size={group_size}; "
+            f"expected N = num_prompts * group_size laid out group-major"
+        )
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """A_i = r_i - mean of r over i's group. No division by the group std (see module docstring)."""
+    _check_groups(rewards, group_size, "rewards")
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    r = rewards.view(-1, group_size)  # (B, G)
+    return (r - r.mean(dim=1, keepdim=True)).view(-1)  # (N,)
+
+
+def nonzero_groups(adv: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) bool: False for every sample of a group whose advantages are all exactly zero.
+
+    Such a group (all samples right or all wrong) contributes nothing to the policy gradient, so the
+    trainer can skip its forward/backward. With 0/1 rewards the group mean is exact, so "all zero" is
+    an exact test; with arbitrary float rewards, equal rewards might leave ~1e-8 residue and be kept.
+    """
+    _check_groups(adv, group_size, "adv")
+    keep = adv.view(-1, group_size).ne(0).any(dim=1, keepdim=True)  # (B, 1)
+    return keep.expand(-1, group_size).reshape(-1)  # (N,)
+
+
+def completion_mask(completion_ids: torch.Tensor, stop_ids: int | Sequence[int]) -> torch.Tensor:
+    """(N, C) float mask: 1 up to and including the first stop token of each row, 0 after it.
+
+    A row with no stop token (truncated at max_new_tokens) is all ones. Built from a cumulative count
+    of stop tokens rather than argmax, which returns 0 for a row with no stop and would mask it wrongly.
+    The stop token itself is kept so the policy is trained to emit it.
+    """
+    if completion_ids.ndim != 2 or completion_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"completion_ids must be an integer (N, C) tensor, got {completion_ids.dtype} {tuple(completion_ids.shape)}"
+        )
+    stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
+    if not stop_ids:
+        raise ValueError("stop_ids is empty; pass the tokenizer's end-of-turn / end-of-text ids")
+    is_stop = torch.zeros_like(completion_ids, dtype=torch.bool)  # (N, C)
+    for s in stop_ids:  # a handful of Python ints: compare to scalars, no host->device copy
+        is_stop |= completion_ids == s
+    stops_before = is_stop.cumsum(dim=1) - is_stop.long()  # (N, C) stop tokens strictly before t
+    return (stops_before == 0).float()
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def dr_grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float | None = None,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+    max_new_tokens: int,
+    num_sequences: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate loss with the Dr. GRPO constant normaliser.
+
+    logp, old_logp, ref_logp: (N, C) fp32 log-probs of the sampled completion tokens under the current
+      policy (with grad), the policy that sampled them, and the frozen reference (for the KL penalty).
+    adv: (N,) advantages from group_advantages. mask: (N, C) from completion_mask.
+    eps_low / eps_high: clip range [1 - eps_low, 1 + eps_high]; eps_high defaults to eps_low
+      (set it higher for DAPO-style "clip-higher").
+    beta: weight of the k3 KL estimator exp(ref - logp) - (ref - logp) - 1 (Schulman's unbiased,
+      always-positive estimator), added per token; 0 disables it (the Dr. GRPO default).
+    max_new_tokens: the generation budget L; the loss is sum(token losses * mask) / (num_sequences * L).
+    num_sequences: defaults to N. When this call sees only part of the batch (gradient-accumulation
+      micro-batch, or zero-advantage groups dropped via nonzero_groups), pass the full batch's N so
+      the pieces sum to exactly the full-batch loss and gradient.
+
+    Returns (loss, stats) with 0-d detached tensors in stats (no host sync):
+      clip_frac  -- fraction of masked tokens where clipping was active (ratio outside the range on the
+                    side that the sign of A makes binding, so the token gets zero gradient);
+      kl         -- mean k3 KL over masked tokens (reported whenever ref_logp is given; else 0);
+      ratio_mean -- mean importance ratio over masked tokens.
+    """
+    N, C = logp.shape
+    for name, t in (("logp", logp), ("old_logp", old_logp), ("ref_logp", ref_logp)):
+        if t is not None and (t.shape != (N, C) or t.dtype != torch.float32):
+            raise ValueError(f"{name} must be fp32 of shape {(N, C)}, got {t.dtype} {tuple(t.shape)}")
+    if adv.shape != (N,):
+        raise ValueError(f"adv must have shape {(N,)}, got {tuple(adv.shape)}")
+    if mask.shape != (N, C):
+        raise ValueError(f"mask must have shape {(N, C)}, got {tuple(mask.shape)}")
+    if max_new_tokens < C:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is smaller than the completion length C={C}")
+    eps_high = eps_low if eps_high is None else eps_high
+    if not (0.0 < eps_low < 1.0 and eps_high > 0.0):
+        raise ValueError(f"need 0 < eps_low < 1 and eps_high > 0, got eps_low={eps_low}, eps_high={eps_high}")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if beta > 0 and ref_logp is None:
+        raise ValueError(f"beta={beta} > 0 needs ref_logp (the reference policy's log-probs)")
+    num_sequences = N if num_sequences is None else num_sequences
+
+    mask = mask.to(logp.dtype)
+    A = adv.to(logp.dtype)[:, None]  # (N, 1)
+    ratio = torch.exp(logp - old_logp)  # (N, C)
+    unclipped = ratio * A  # (N, C)
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * A  # (N, C)
+    # Pessimistic bound: where clipping binds, min() picks the constant-in-logp branch -> zero gradient.
+    per_token = -torch.minimum(unclipped, clipped)  # (N, C)
+
+    kl = None
+    if ref_logp is not None:
+        # With beta == 0 the KL is still reported as a metric, just kept out of the graph.
+        with torch.set_grad_enabled(beta > 0 and torch.is_grad_enabled()):
+            delta = ref_logp - logp  # (N, C)
+            kl = torch.exp(delta) - delta - 1.0  # (N, C), >= 0
+        if beta > 0:
+            per_token = per_token + beta * kl
+
+    loss = (per_token * mask).sum() / (num_sequences * max_new_tokens)
+
+    with torch.no_grad():
+        ratio_d = ratio.detach()
+        clip_active = ((ratio_d > 1.0 + eps_high) & (A > 0)) | ((ratio_d < 1.0 - eps_low) & (A < 0))
+        stats = {
+            "clip_frac": _masked_mean(clip_active.to(mask.dtype), mask),
+            "kl": _masked_mean(kl.detach(), mask) if kl is not None else logp.new_zeros(()),
+            "ratio_mean": _masked_mean(ratio_d, mask),
+        }
+    return loss, stats

@@ -1,0 +1,206 @@
+"""Qwen2.5 tokenizer: byte-level BPE from `tokenizer.json` plus the chat template in plain Python.
+
+Why not `transformers.AutoTokenizer`: the package must not import transformers at run time. The BPE itself
+is the Rust `tokenizers` library reading the published `tokenizer.json` (exactly what transformers wraps),
+so encode/decode are bit-identical. The only thing transformers adds on top is the Jinja chat template;
+`render_chat` re-implements the Qwen2.5 template for plain system/user/assistant conversations (no tools)
+and tests/test_tokenizer.py checks it against `apply_chat_template` id for id.
+
+Stop tokens come from `generation_config.json` (what the model was tuned to end a turn with:
+`<|im_end|>` and `<|endoftext|>` for Qwen2.5-Instruct), not just the single `eos_token`.
+
+Note: the tokenizer knows 151,665 tokens, while the model's embedding has 151,936 rows (padded for
+efficiency). Ids in the padding range are never produced by `encode` and are dropped by `decode`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from tokenizers import Tokenizer as _BPE
+
+DEFAULT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+CHAT_ROLES = ("system", "user", "assistant")
+
+# sha256 of the Qwen2.5(-Instruct) Jinja chat template that `render_chat` re-implements. A directory with a
+# different template still loads, but with a warning: its model expects prompts we would not produce.
+_QWEN25_TEMPLATE_SHA256 = "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f"
+
+_DOWNLOAD_HINT = "Download the tokenizer and weights first: `python weights/download.py`."
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); delete it and re-download. {_DOWNLOAD_HINT}") from None
+
+
+def _token_content(entry: str | Mapping[str, Any] | None) -> str | None:
+    # tokenizer_config.json spells a special token either as "<|x|>" or as {"content": "<|x|>", ...}.
+    return entry.get("content") if isinstance(entry, Mapping) else entry
+
+
+def _as_id_list(ids: Any, what: str) -> list[int]:
+    """A flat list of ints from a list/tuple or a 1-D tensor/array (anything with .tolist())."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    if any(isinstance(i, (list, tuple)) for i in ids):
+        raise ValueError(f"{what} expects a 1-D sequence of token ids, got a nested one; use batch_decode for batches")
+    return ids
+
+
+class Tokenizer:
+    """Text <-> token ids for Qwen2.5, plus chat-prompt rendering. Build with `Tokenizer.from_dir(path)`."""
+
+    def __init__(self, bpe: _BPE, eos_id: int, pad_id: int, stop_ids: Sequence[int]):
+        self._bpe = bpe
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.stop_ids: tuple[int, ...] = tuple(stop_ids)
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, tok in bpe.get_added_tokens_decoder().items() if tok.special
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load from a Hugging Face model directory (tokenizer.json, tokenizer_config.json, generation_config.json)."""
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer directory {path} does not exist. {_DOWNLOAD_HINT}")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"{path / name} is missing (the directory is incomplete). {_DOWNLOAD_HINT}")
+
+        try:
+            bpe = _BPE.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the Rust side raises a bare Exception for any parse error
+            raise ValueError(
+                f"{path / 'tokenizer.json'} could not be parsed ({e}); re-download it. {_DOWNLOAD_HINT}"
+            ) from None
+
+        config = _read_json(path / "tokenizer_config.json")
+        _check_added_tokens_agree(bpe, config, path)
+        template = config.get("chat_template")
+        if isinstance(template, str) and hashlib.sha256(template.encode()).hexdigest() != _QWEN25_TEMPLATE_SHA256:
+            warnings.warn(
+                f"{path / 'tokenizer_config.json'} has a chat template different from Qwen2.5's; "
+                "render_chat/encode_chat still produce Qwen2.5-formatted prompts, which this model may not expect",
+                stacklevel=2,
+            )
+
+        def id_of(token: str | None) -> int | None:
+            return None if token is None else bpe.token_to_id(token)
+
+        gen_path = path / "generation_config.json"
+        gen = _read_json(gen_path) if gen_path.is_file() else {}
+        eos_id = id_of(_token_content(config.get("eos_token")))
+
+        stop = gen.get("eos_token_id")
+        if stop is None:
+            # No generation config: the declared eos plus the two turn/document terminators Qwen emits.
+            stop = [eos_id, id_of(IM_END), id_of(ENDOFTEXT)]
+        stop_ids = [stop] if isinstance(stop, int) else list(stop)
+        stop_ids = list(dict.fromkeys(i for i in stop_ids if i is not None))  # dedupe, keep order
+        if not stop_ids:
+            raise ValueError(
+                f"no stop token found in {path}: tokenizer_config.json has no eos_token, there is no "
+                f"generation_config.json eos_token_id, and neither {IM_END} nor {ENDOFTEXT} is in the vocabulary"
+            )
+        if eos_id is None:
+            eos_id = stop_ids[0]
+
+        # Pad only fills positions that are masked out, so any valid id works; prefer the declared one.
+        pad_id = id_of(_token_content(config.get("pad_token")))
+        if pad_id is None:
+            pad_id = gen.get("pad_token_id")
+        if pad_id is None:
+            pad_id = eos_id
+        return cls(bpe, eos_id=eos_id, pad_id=pad_id, stop_ids=stop_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce (BPE vocab + added/special tokens)."""
+        return self._bpe.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text -> ids. Adds no BOS/EOS (Qwen uses none). Special-token strings in `text` become special ids."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode expects a str, got {type(text).__name__}")
+        return self._bpe.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int] | Any, skip_special_tokens: bool = True) -> str:
+        """ids (list or 1-D tensor) -> text. Special tokens (<|im_end|>, ...) are dropped unless asked for."""
+        return self._bpe.decode(_as_id_list(ids, "decode"), skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, batch: Iterable[Sequence[int]] | Any, skip_special_tokens: bool = True) -> list[str]:
+        """A batch of id sequences (list of lists or 2-D tensor) -> list of texts."""
+        rows = batch.tolist() if hasattr(batch, "tolist") else list(batch)
+        rows = [_as_id_list(row, "batch_decode") for row in rows]
+        return self._bpe.decode_batch(rows, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render a conversation exactly as Qwen2.5's Jinja chat template does (tools excluded)."""
+        _validate_messages(messages)
+        # The template always opens with a system turn; a leading system message replaces the default one.
+        if messages[0]["role"] == "system":
+            system, rest = messages[0]["content"], messages[1:]
+        else:
+            system, rest = DEFAULT_SYSTEM_PROMPT, messages
+        # A later system message is not special-cased by the template: it is rendered like any other turn.
+        turns = [("system", system)] + [(m["role"], m["content"]) for m in rest]
+        text = "".join(f"{IM_START}{role}\n{content}{IM_END}\n" for role, content in turns)
+        if add_generation_prompt:
+            text += f"{IM_START}assistant\n"
+        return text
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """`render_chat` then `encode`: the prompt ids the model sees."""
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt))
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
+            f"pad_id={self.pad_id}, stop_ids={self.stop_ids})"
+        )
+
+
+def _check_added_tokens_agree(bpe: _BPE, config: Mapping[str, Any], path: Path) -> None:
+    """tokenizer_config.json and tokenizer.json must map special tokens to the same ids (same model's files)."""
+    for str_id, entry in config.get("added_tokens_decoder", {}).items():
+        content = _token_content(entry)
+        if bpe.token_to_id(content) != int(str_id):
+            raise ValueError(
+                f"{path}: tokenizer_config.json maps {content!r} to id {str_id} but tokenizer.json maps it to "
+                f"{bpe.token_to_id(content)}; the two files come from different models. {_DOWNLOAD_HINT}"
+            )
+
+
+def _validate_messages(messages: Any) -> None:
+    """Reject what the plain-Python template does not cover, with a message saying what is wrong."""
+    if isinstance(messages, Mapping) or isinstance(messages, str) or not isinstance(messages, Sequence):
+        raise ValueError(
+            f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}"
+        )
+    if len(messages) == 0:
+        raise ValueError("messages is empty: a chat needs at least one message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        role = m.get("role")
+        if role == "tool" or m.get("tool_calls"):
+            raise ValueError(
+                f"messages[{i}] uses tools (role 'tool' or 'tool_calls'), which render_chat does not support; "
+                "only plain system/user/assistant turns are rendered"
+            )
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}] has unknown role {role!r}; expected one of {CHAT_ROLES}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(
+                f"messages[{i}] content must be a str, got {type(m.get('content')).__name__} "
+                "(multimodal/list content and missing content are not supported)"
+            )

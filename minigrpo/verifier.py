@@ -1,0 +1,145 @@
+"""Rule-based GSM8K reward: pull the final answer out of a completion and compare it numerically.
+
+The reward is the only signal RL gets, so it has to be boring and robust:
+  * it never raises and never hangs on any string the policy can emit (every regex here is linear
+    time: no nested quantifiers; inputs are capped before any scanning);
+  * it compares *numbers*, not strings, so "$1,000.00", "1000" and "\\boxed{1000 \\text{ dollars}}" agree;
+  * it is strict about ambiguity: a final answer holding two numbers ("5 or 6") is wrong, not lucky.
+
+Answer priority (first one found wins):
+  1. the last non-empty ``\\boxed{...}`` (nested braces handled by one linear scan);
+  2. the last ``#### N`` (the GSM8K reference format);
+  3. the last number anywhere in the text.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+# A completion of a few hundred tokens is a few thousand characters. The final answer lives at the end,
+# so only the tail is scanned: this bounds the cost of pathological generations.
+MAX_TEXT_CHARS = 16_384
+# No honest final answer is longer than this; anything longer is not a number we want to parse.
+MAX_ANSWER_CHARS = 512
+# Relative tolerance: |pred - truth| <= REL_TOL * max(1, |truth|).
+REL_TOL = 1e-6
+
+_BOXED_OR_BRACE = re.compile(r"\\boxed\s*\{|[{}]")
+_HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
+
+# A plain decimal: "1000", "1,000", "1,000.50", "3.", ".5". Thousands groups must be exactly 3 digits,
+# so a list like "1,2,3" reads as three numbers rather than 123.
+_DECIMAL = r"(?:\d+(?:,\d{3})*(?:\.\d*)?|\.\d+)"
+# A sign only counts when it is not a binary minus ("5-3" is not the number -3).
+_SIGNED = r"(?:(?<![\w)\]}])[-+])?" + _DECIMAL
+_NUMBER = re.compile(_SIGNED + r"(?:\s*/\s*" + _SIGNED + r")?")  # optionally a fraction a/b
+
+_FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_FRAC_DIGITS = re.compile(r"\\[dt]?frac\s*(\d)\s*(\d)")  # LaTeX shorthand: \frac34 = 3/4
+_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+# LaTeX spacing / decoration that carries no value: \, \! \; \: "\ " \left \right ^\circ and friends.
+_LATEX_NOISE = re.compile(r"\\[,!;: ]|\\(?:left|right|displaystyle|quad|qquad)\b|\^\s*\{?\\circ\}?|\\%|\\\$")
+_UNICODE_MINUS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2014": "-", "\ufe63": "-", "\uff0d": "-"})
+# Left over after the number is removed, any of these means the answer is an expression, not a number.
+_OPERATOR_LEFTOVER = re.compile(r"[-+*/^×÷\\]")
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last-opened, properly closed, non-empty ``\\boxed{...}``; None if there is none.
+
+    One left-to-right pass with a stack of open braces (linear time even for ``\\boxed{`` * 1000).
+    "Last" is by opening position, so for nested boxes the innermost wins: ``\\boxed{\\boxed{3}}`` -> "3".
+    """
+    stack: list[int | None] = []  # per open brace: content start if it opened a \boxed, else None
+    best_start, best = -1, None
+    for m in _BOXED_OR_BRACE.finditer(text):
+        tok = m.group()
+        if tok == "}":
+            if stack:
+                start = stack.pop()
+                if start is not None and start > best_start:
+                    content = text[start : m.start()].strip()
+                    if content:
+                        best_start, best = start, content
+        else:
+            stack.append(m.end() if tok != "{" else None)
+    return best
+
+
+def extract_answer(text: str) -> str | None:
+    """The model's final answer as a string (not yet normalised), or None if the text holds none."""
+    if not isinstance(text, str):
+        raise TypeError(f"extract_answer expects str, got {type(text).__name__}")
+    text = text[-MAX_TEXT_CHARS:]
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    hashes = [m.group(1).strip() for m in _HASH_ANSWER.finditer(text)]
+    hashes = [h for h in hashes if h]
+    if hashes:
+        return hashes[-1]
+    last = None
+    for last in _NUMBER.finditer(text):
+        pass
+    return last.group() if last is not None else None
+
+
+def _parse_plain(num: str) -> float | None:
+    """float() of one `_NUMBER` match: commas dropped, a/b divided; None if not finite."""
+    parts = [p.strip().replace(",", "") for p in num.split("/")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:  # e.g. a lone "." cannot come from _NUMBER, but stay total
+        return None
+    value = values[0]
+    if len(values) == 2:
+        if values[1] == 0:
+            return None
+        value = values[0] / values[1]
+    return value if math.isfinite(value) else None
+
+
+def normalize_number(s: str | None) -> float | None:
+    """Parse a final answer into a float, or None if it is not exactly one finite number.
+
+    Accepts: "1,000.50", "$5", "50%", "72.00", "+3", "\u22124", "18 dollars", "x = 5", "3/4",
+    "\\frac{3}{4}", "\\dfrac{3}{4}", "-\\frac{1}{2}", "10 \\text{ cups}", "\\$1{,}000".
+    Rejects (None): "", "nan", "inf", "1e999" (2 numbers), "5 or 6", "2^3", "5\\pi", overlong strings.
+    """
+    if not isinstance(s, str) or len(s) > MAX_ANSWER_CHARS:
+        return None
+    s = s.translate(_UNICODE_MINUS)
+    s = _FRAC.sub(r"(\1)/(\2)", s)
+    s = _FRAC_DIGITS.sub(r"\1/\2", s)
+    s = _TEXT_WRAPPER.sub(r" \1 ", s)
+    s = _LATEX_NOISE.sub(" ", s)
+    s = s.replace("{,}", ",")  # LaTeX thousands separator 1{,}000
+    # "x = 5": the value is what follows the last "=".
+    s = s.rsplit("=", 1)[-1]
+    # Braces and brackets are only grouping once \frac / \text are gone: "(3)/(4)" -> "3/4", "-(3)" -> "-3".
+    s = re.sub(r"[{}()\[\]$%]", "", s).strip()
+    matches = list(_NUMBER.finditer(s))
+    if len(matches) != 1:
+        return None
+    m = matches[0]
+    leftover = (s[: m.start()] + " " + s[m.end() :]).strip().rstrip(".")
+    if _OPERATOR_LEFTOVER.search(leftover):
+        return None
+    return _parse_plain(m.group())
+
+
+def is_correct(completion_text: str, ground_truth: str) -> bool:
+    """True iff the completion's final answer equals the ground truth within REL_TOL (relative to truth)."""
+    truth = normalize_number(ground_truth)
+    if truth is None:
+        return False
+    pred = normalize_number(extract_answer(completion_text))
+    if pred is None:
+        return False
+    return abs(pred - truth) <= REL_TOL * max(1.0, abs(truth))
+
+
+def reward(completion_text: str, ground_truth: str) -> float:
+    """Binary outcome reward: 1.0 if correct else 0.0 (no format bonus; see gsm8k.build_messages)."""
+    return 1.0 if is_correct(completion_text, ground_truth) else 0.0

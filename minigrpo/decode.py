@@ -1,0 +1,157 @@
+"""The inference side of the model: packed bf16 weights, batched prefill, and the decode step.
+
+The engine keeps its own copy of the weights, laid out for inference: q/k/v fused into one matmul and
+gate/up into another, stacked over layers. The trainer's policy (fp32 master weights, HF layout) is
+copied in with `load_from` after each update; the copy writes into the same buffers every time, so
+captured CUDA graphs, which hold buffer addresses, stay valid.
+
+`decode_step` is the unit that gets compiled and captured: embed -> layers (norm, qkv, RoPE + KV store,
+paged attention, o_proj, MLP) -> final norm -> LM head -> sampling -> per-slot bookkeeping. Every input
+has a static shape and every state update is an in-place write into a preallocated buffer, so replaying
+the step N times in a row needs nothing from the host.
+
+Shape legend: B batch slots, T prompt length, C hidden, H query heads, K kv heads, D head dim, F MLP width,
+V vocabulary, L layers, M block-table width, S page size, W output width (max new tokens + 1 scratch column).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minigrpo.attention import decode_attention, rope_store
+from minigrpo.config import ModelConfig
+from minigrpo.model import Qwen2ForCausalLM, apply_rope, rms_norm, rope_cos_sin
+from minigrpo.sampling import SamplingParams, sample
+
+
+class DecodeModel(nn.Module):
+    """Inference weights (buffers, not parameters: nothing here is ever differentiated)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        L, C, H, K, D, Fw, V = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+                                cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
+        self.qkv_sizes = (H * D, K * D, K * D)
+
+        def buf(*shape):
+            return torch.empty(shape, dtype=dtype, device=device)
+        self.register_buffer("embed", buf(V, C))
+        self.register_buffer("ln1", buf(L, C))
+        self.register_buffer("w_qkv", buf(L, (H + 2 * K) * D, C))
+        self.register_buffer("b_qkv", buf(L, (H + 2 * K) * D))
+        self.register_buffer("w_o", buf(L, C, H * D))
+        self.register_buffer("ln2", buf(L, C))
+        self.register_buffer("w_gate_up", buf(L, 2 * Fw, C))
+        self.register_buffer("w_down", buf(L, C, Fw))
+        self.register_buffer("norm", buf(C))
+        self.register_buffer("lm_head", self.embed if cfg.tie_word_embeddings else buf(V, C))
+        # RoPE tables in fp32, cast at use: the same values the reference model computes per call.
+        cos, sin = rope_cos_sin(torch.arange(max_positions, device=device), D, cfg.rope_theta, torch.float32)
+        self.register_buffer("cos", cos)  # (max_positions, D)
+        self.register_buffer("sin", sin)  # (max_positions, D)
+
+    @torch.no_grad()
+    def load_from(self, model: Qwen2ForCausalLM) -> None:
+        """Copy (and cast) the policy's weights into these buffers, in place."""
+        assert model.config == self.cfg, "policy and engine were built for different configs"
+        m = model.model
+        self.embed.copy_(m.embed_tokens.weight)
+        for i, layer in enumerate(m.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            self.ln1[i].copy_(layer.input_layernorm.weight)
+            self.w_qkv[i].copy_(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+            self.b_qkv[i].copy_(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+            self.w_o[i].copy_(a.o_proj.weight)
+            self.ln2[i].copy_(layer.post_attention_layernorm.weight)
+            self.w_gate_up[i].copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            self.w_down[i].copy_(mlp.down_proj.weight)
+        self.norm.copy_(m.norm.weight)
+        if not self.cfg.tie_word_embeddings:
+            self.lm_head.copy_(model.lm_head.weight)
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(x, self.ln2[i], self.cfg.rms_norm_eps)
+        gate, up = F.linear(h, self.w_gate_up[i]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w_down[i])
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
+                k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> torch.Tensor:
+        """Run right-padded prompts, write their K/V at `slots`, return each prompt's last-token logits.
+
+        ids (B, T), lens (B,), slots (B, T) flat cache slots (page * S + offset; pads point at scratch).
+        Right padding keeps positions 0..len-1 natural, and causal attention never lets a real token see a
+        pad that follows it, so no mask is needed.
+        """
+        cfg = self.cfg
+        B, T = ids.shape
+        H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        x = F.embedding(ids, self.embed)                                           # (B, T, C)
+        cos = self.cos[:T].to(x.dtype)[None, :, None]                               # (1, T, 1, D)
+        sin = self.sin[:T].to(x.dtype)[None, :, None]
+        flat_slots = slots.reshape(-1)                                              # (B*T,)
+        for i in range(cfg.num_hidden_layers):
+            h = rms_norm(x, self.ln1[i], cfg.rms_norm_eps)
+            q, k, v = F.linear(h, self.w_qkv[i], self.b_qkv[i]).split(self.qkv_sizes, dim=-1)
+            q = apply_rope(q.view(B, T, H, D), cos, sin)                            # (B, T, H, D)
+            k = apply_rope(k.view(B, T, K, D), cos, sin)                            # (B, T, K, D)
+            v = v.view(B, T, K, D)
+            for pool, rows in ((k_pools[i], k), (v_pools[i], v)):
+                pool.view(-1, K, D).index_copy_(0, flat_slots, rows.reshape(-1, K, D))
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, enable_gqa=True)     # (B, H, T, D)
+            x = x + F.linear(y.transpose(1, 2).reshape(B, T, H * D), self.w_o[i])
+            x = self._mlp(i, x)
+        last = x[torch.arange(B, device=ids.device), lens - 1]                      # (B, C)
+        return F.linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head)  # (B, V)
+
+    def decode_logits(self, attn: str, tok, pos, block_table, live,
+                      k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> torch.Tensor:
+        """One token per slot -> next-token logits (B, V). Finished / empty slots (live False) store nothing
+        and attend over nothing; their logits are garbage that the bookkeeping ignores."""
+        cfg = self.cfg
+        B = tok.shape[0]
+        H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        S = k_pools[0].shape[1]
+        pos32 = pos.int()                                                           # (B,)
+        page = block_table.gather(1, (pos // S)[:, None]).squeeze(1)                # (B,) int32
+        slots = torch.where(live, page * S + pos32 % S, -1)                         # (B,) int32, -1 = no store
+        seq_lens = torch.where(live, pos32 + 1, 0)                                  # (B,) int32
+        x = F.embedding(tok, self.embed)                                            # (B, C)
+        for i in range(cfg.num_hidden_layers):
+            h = rms_norm(x, self.ln1[i], cfg.rms_norm_eps)
+            q, k, v = F.linear(h, self.w_qkv[i], self.b_qkv[i]).split(self.qkv_sizes, dim=-1)
+            q = rope_store(attn, q.view(B, H, D), k.view(B, K, D), v.view(B, K, D),
+                           k_pools[i], v_pools[i], pos32, slots, self.cos, self.sin)  # (B, H, D)
+            o = decode_attention(attn, q, k_pools[i], v_pools[i], block_table, seq_lens, D ** -0.5)
+            x = x + F.linear(o.reshape(B, H * D), self.w_o[i])
+            x = self._mlp(i, x)
+        return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)     # (B, V)
+
+
+def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp) -> None:
+    """Sample each live slot's next token and update the slot state in place (no host sync).
+
+    tok/pos/ctr/seed/limit (B,) int64, done (B,) bool, stops (n_stop,) int64, out_tok/out_logp (B, W).
+    A finished slot keeps its state; its sample goes to the scratch column W-1.
+    """
+    live = ~done
+    new_tok, new_logp = sample(logits, params, seed, ctr)                           # (B,), (B,)
+    col = torch.where(live, ctr, out_tok.shape[1] - 1)[:, None]                     # (B, 1)
+    out_tok.scatter_(1, col, new_tok[:, None])
+    out_logp.scatter_(1, col, new_logp[:, None])
+    step = live.long()
+    ctr.add_(step)
+    pos.add_(step)
+    tok.copy_(torch.where(live, new_tok, tok))
+    done.logical_or_(live & (torch.isin(new_tok, stops) | (ctr >= limit)))
+
+
+def decode_step(model: DecodeModel, attn: str, params: SamplingParams, tok, pos, ctr, seed, limit, done,
+                stops, block_table, out_tok, out_logp, k_pools, v_pools) -> None:
+    """The whole decode step: the unit `--compile step` compiles and CUDA graphs capture."""
+    logits = model.decode_logits(attn, tok, pos, block_table, ~done, k_pools, v_pools)
+    advance(logits, params, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp)

@@ -1,0 +1,328 @@
+"""The rollout engine: generates G completions for each of B prompts, fast, with explicit graph boundaries.
+
+    engine = Engine(model_cfg, EngineConfig(attn="triton", compile="step", cuda_graphs=True), device="cuda")
+    engine.load_weights(policy)                       # after every optimizer step
+    rollout = engine.generate(prompts, samples_per_prompt=8, max_new_tokens=256, params=..., seeds=...)
+
+How a rollout runs:
+1. Admission: a prompt group enters when its worst-case pages fit the KV budget (shared full prompt pages
+   + G private tails); groups that do not fit wait until finished sequences return pages. Nothing is
+   ever evicted, so no work is lost; a group that can never fit is an error naming the budget.
+2. Prefill: each admitted prompt runs once; its K/V go straight into pages. The G samples share the full
+   pages (reference count G); the partial last page is copied into each sample's first private page.
+3. Decode: `decode_step` over a fixed-size bucket of slots, `sync_every` times in a row with no host
+   involvement: stop ids and token budgets are tracked by on-device masks.
+4. Sync: the host reads the done mask once, collects finished sequences, returns their pages, and
+   compacts the survivors to the front, so the next steps run at the smallest bucket that holds them.
+
+Graph boundaries are configuration, not accident (`EngineConfig`): `compile` "none" runs the step eagerly,
+"step" compiles the whole step with torch.compile(fullgraph=True), which fails loudly instead of breaking
+the graph; `cuda_graphs` captures the step, compiled or not, once per bucket with torch.cuda.CUDAGraph;
+`sample_in_graph` puts sampling inside or outside those boundaries.
+
+Shape legend: N sequences in a rollout (prompts x G), B bucket (batch slots), M block-table width, W output width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from minigrpo.attention import BACKENDS
+from minigrpo.config import ModelConfig
+from minigrpo.decode import DecodeModel, advance, decode_step
+from minigrpo.generate import Rollout
+from minigrpo.kv_cache import SCRATCH_PAGE, KVCache, OutOfPages
+from minigrpo.model import Qwen2ForCausalLM
+from minigrpo.sampling import SamplingParams, sample
+
+MAX_STOP_IDS = 8
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    attn: str = "sdpa"              # decode attention backend: eager | sdpa | triton
+    compile: str = "none"           # none | step (torch.compile(fullgraph=True) over the whole decode step)
+    cuda_graphs: bool = False       # capture the step per bucket and replay it
+    sample_in_graph: bool = True    # sampling + bookkeeping inside the compiled / captured step
+    sync_every: int = 8             # decode steps between host syncs (stop detection, compaction)
+    page_size: int = 16
+    max_batch: int = 256            # largest bucket: sequences decoded at once
+    max_seq_len: int = 1024         # prompt + completion, per sequence; sets the block-table width
+    kv_pages: int | None = None     # KV budget in pages; default: kv_memory_fraction of free GPU memory
+    kv_memory_fraction: float = 0.3
+    buckets: tuple[int, ...] = field(default=())  # default: powers of two from 8 up to max_batch
+
+    def __post_init__(self):
+        if self.attn not in BACKENDS:
+            raise ValueError(f"attn must be one of {BACKENDS}, got {self.attn!r}")
+        if self.compile not in ("none", "step"):
+            raise ValueError(f"compile must be 'none' or 'step', got {self.compile!r}")
+        if self.sync_every < 1 or self.max_batch < 1 or self.max_seq_len < 2:
+            raise ValueError("sync_every, max_batch must be >= 1 and max_seq_len >= 2")
+        if self.buckets and (max(self.buckets) != self.max_batch or sorted(set(self.buckets)) != list(self.buckets)):
+            raise ValueError(f"buckets must be increasing and end at max_batch {self.max_batch}, got {self.buckets}")
+
+    def bucket_sizes(self) -> tuple[int, ...]:
+        if self.buckets:
+            return self.buckets
+        sizes = [b for b in (8, 16, 32, 64, 128, 256, 512, 1024) if b < self.max_batch]
+        return tuple(sizes) + (self.max_batch,)
+
+
+class SlotState:
+    """Per-slot decode state, preallocated at full capacity; a bucket of size B uses rows [0, B)."""
+
+    PER_SLOT = ("tok", "pos", "ctr", "seed", "limit", "done", "block_table", "out_tok", "out_logp")
+
+    def __init__(self, capacity: int, table_width: int, out_width: int, device):
+        def z(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=device)
+        self.tok, self.pos, self.ctr, self.seed, self.limit = (z(capacity) for _ in range(5))  # (B,) each
+        self.done = torch.ones(capacity, dtype=torch.bool, device=device)  # empty slots count as done
+        self.block_table = z(capacity, table_width, dtype=torch.int32)      # (B, M)
+        self.out_tok = z(capacity, out_width)                               # (B, W); column W-1 is scratch
+        self.out_logp = z(capacity, out_width, dtype=torch.float32)         # (B, W)
+        self.stops = torch.full((MAX_STOP_IDS,), -1, dtype=torch.int64, device=device)
+
+    def args(self, B: int) -> tuple:
+        """The step's inputs for bucket B (views: the addresses CUDA graphs capture)."""
+        return (self.tok[:B], self.pos[:B], self.ctr[:B], self.seed[:B], self.limit[:B], self.done[:B],
+                self.stops, self.block_table[:B], self.out_tok[:B], self.out_logp[:B])
+
+    def compact(self, keep: torch.Tensor, n_before: int) -> None:
+        """Move rows `keep` to the front; rows after them become empty (done) slots."""
+        for name in self.PER_SLOT:
+            t = getattr(self, name)
+            t[:len(keep)] = t[keep]
+        self.done[len(keep):n_before] = True
+
+    def snapshot(self) -> dict:
+        return {n: getattr(self, n).clone() for n in ("tok", "pos", "ctr", "done")}
+
+    def restore(self, saved: dict) -> None:
+        for n, t in saved.items():
+            getattr(self, n).copy_(t)
+
+
+class StepRunner:
+    """Turns the decode step into a callable per (bucket, sampling params), honouring the graph config."""
+
+    def __init__(self, model: DecodeModel, kv: KVCache, state: SlotState, cfg: EngineConfig):
+        self.model, self.kv, self.state, self.cfg = model, kv, state, cfg
+        self._compiled_step = torch.compile(decode_step, fullgraph=True, dynamic=False)
+        self._compiled_logits = torch.compile(model.decode_logits, fullgraph=True, dynamic=False)
+        self._prepared: dict = {}  # (bucket, params) -> (unit, tail), unit replaying a graph if captured
+        self._pool = None          # one memory pool shared by all captured graphs
+
+    def _recompile_room(self):
+        # One compiled variant per (bucket, sampling params); make room for all of them rather than let
+        # torch.compile's default recompile limit turn the step silently eager.
+        limit = 4 * len(self.cfg.bucket_sizes()) + 8
+        return torch._dynamo.config.patch(recompile_limit=limit, cache_size_limit=limit) \
+            if hasattr(torch._dynamo.config, "recompile_limit") else contextlib.nullcontext()
+
+    def units(self, B: int, params: SamplingParams):
+        """(graphable unit, eager tail or None) for one decode step on slots [0, B); both take no arguments.
+
+        With sampling in the graph the unit is the whole step. Without, the unit computes the logits and
+        the tail samples and updates the slot state eagerly."""
+        m, kv, attn = self.model, self.kv, self.cfg.attn
+        args = self.state.args(B)
+        if self.cfg.sample_in_graph:
+            step = self._compiled_step if self.cfg.compile == "step" else decode_step
+            return (lambda: step(m, attn, params, *args, kv.k, kv.v)), None
+        logits_fn = self._compiled_logits if self.cfg.compile == "step" else m.decode_logits
+        tok, pos, ctr, seed, limit, done, stops, table, out_tok, out_logp = args
+        box = {}  # after capture: the graph's static logits buffer, refreshed by every replay
+
+        def forward():
+            box["logits"] = logits_fn(attn, tok, pos, table, ~done, kv.k, kv.v)
+
+        def tail():
+            advance(box["logits"], params, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp)
+        return forward, tail
+
+    def run(self, B: int, params: SamplingParams, n_steps: int) -> None:
+        key = (B, params)
+        with self._recompile_room():
+            if key not in self._prepared:
+                unit, tail = self.units(B, params)
+                if self.cfg.cuda_graphs:
+                    unit = self._capture(unit).replay
+                self._prepared[key] = (unit, tail)
+            unit, tail = self._prepared[key]
+            for _ in range(n_steps):
+                unit()
+                if tail is not None:
+                    tail()
+
+    def _capture(self, unit) -> torch.cuda.CUDAGraph:
+        """Warm up (compiling if asked) and capture one step. Done with every slot marked done, so the
+        warm-up steps store nothing and move no live sequence; the live state is restored after."""
+        saved = self.state.snapshot()
+        self.state.done.fill_(True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                unit()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            unit()
+        self._pool = graph.pool()
+        self.state.restore(saved)
+        return graph
+
+
+class Engine:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig = EngineConfig(), *,
+                 device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16):
+        device = torch.device(device)
+        if cfg.cuda_graphs and device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs a CUDA device; use cuda_graphs=False on the CPU")
+        self.model_cfg, self.cfg, self.device = model_cfg, cfg, device
+        self.model = DecodeModel(model_cfg, dtype, device, max_positions=cfg.max_seq_len)
+        self.kv = KVCache(model_cfg, self._kv_pages(model_cfg, cfg, dtype, device), cfg.page_size, dtype, device)
+        table_width = math.ceil(cfg.max_seq_len / cfg.page_size)
+        self.state = SlotState(cfg.max_batch, table_width, cfg.max_seq_len + 1, device)
+        self.runner = StepRunner(self.model, self.kv, self.state, cfg)
+
+    @staticmethod
+    def _kv_pages(mcfg: ModelConfig, cfg: EngineConfig, dtype, device) -> int:
+        if cfg.kv_pages is not None:
+            return cfg.kv_pages
+        per_page = KVCache.bytes_per_page(mcfg, cfg.page_size, dtype)
+        full = 1 + cfg.max_batch * math.ceil(cfg.max_seq_len / cfg.page_size)  # every slot at max length
+        if device.type != "cuda":
+            return full
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(2, min(full, int(free * cfg.kv_memory_fraction) // per_page))
+
+    def load_weights(self, model: Qwen2ForCausalLM) -> None:
+        """Refresh the engine's weights from the policy (in place: captured graphs stay valid)."""
+        self.model.load_from(model)
+
+    def _pages_for(self, prompt_len: int, G: int, max_new: int) -> int:
+        S = self.cfg.page_size
+        return prompt_len // S + G * math.ceil((prompt_len % S + max_new) / S)
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.cfg.bucket_sizes() if b >= n)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], samples_per_prompt: int, max_new_tokens: int,
+                 params: SamplingParams, stop_ids=(), seeds: list[int] | None = None) -> Rollout:
+        G, cfg = samples_per_prompt, self.cfg
+        N = len(prompts) * G
+        self._check_request(prompts, G, max_new_tokens, stop_ids, seeds)
+        seeds = list(seeds) if seeds is not None else list(range(N))
+        st = self.state
+        st.stops.fill_(-1)
+        st.stops[:len(stop_ids)] = torch.tensor(list(stop_ids), dtype=torch.int64)
+        waiting = deque(range(len(prompts)))
+        slot_seq: list[int] = []             # host mirror: sequence id of each live slot, in slot order
+        seq_pages: dict[int, list[int]] = {}
+        tokens: list[list[int] | None] = [None] * N
+        logprobs: list[list[float] | None] = [None] * N
+        while waiting or slot_seq:
+            admitted = []
+            while waiting and len(slot_seq) + G * (len(admitted) + 1) <= cfg.max_batch \
+                    and self._pages_for(len(prompts[waiting[0]]), G, max_new_tokens) <= self.kv.num_free:
+                admitted.append(waiting.popleft())
+                # reserve now so the next candidate sees what is left
+                seq_pages.update(self._reserve(admitted[-1], len(prompts[admitted[-1]]), G, max_new_tokens))
+            if not admitted and not slot_seq:
+                need = self._pages_for(len(prompts[waiting[0]]), G, max_new_tokens)
+                raise OutOfPages(f"one prompt group needs {need} KV pages (prompt {len(prompts[waiting[0]])} tokens,"
+                                 f" {G} samples x {max_new_tokens} new) but the cache has {self.kv.capacity}; "
+                                 f"raise EngineConfig.kv_pages / kv_memory_fraction or lower max_new_tokens")
+            if admitted:
+                self._prefill(admitted, prompts, G, max_new_tokens, params, seeds, seq_pages, slot_seq)
+            n = len(slot_seq)
+            if not bool(st.done[:n].all()):
+                self.runner.run(self._bucket(n), params, cfg.sync_every)
+            done = st.done[:n].tolist()                                   # the host sync
+            finished = [i for i in range(n) if done[i]]
+            if finished:
+                idx = torch.tensor(finished, device=self.device)
+                lens = st.ctr[idx].tolist()
+                rows_tok, rows_logp = st.out_tok[idx].tolist(), st.out_logp[idx].tolist()
+                for j, i in enumerate(finished):
+                    seq = slot_seq[i]
+                    tokens[seq], logprobs[seq] = rows_tok[j][:lens[j]], rows_logp[j][:lens[j]]
+                    self.kv.release(seq_pages.pop(seq))
+                keep = [i for i in range(n) if not done[i]]
+                st.compact(torch.tensor(keep, dtype=torch.long, device=self.device), n)
+                slot_seq = [slot_seq[i] for i in keep]
+        return Rollout(tokens, logprobs)
+
+    def _check_request(self, prompts, G, max_new_tokens, stop_ids, seeds) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt, and every prompt at least one token")
+        if G < 1 or G > self.cfg.max_batch:
+            raise ValueError(f"samples_per_prompt must be in [1, max_batch={self.cfg.max_batch}], got {G}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.cfg.max_seq_len:
+            raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the engine's "
+                             f"max_seq_len {self.cfg.max_seq_len}; raise EngineConfig.max_seq_len")
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
+        if seeds is not None and len(seeds) != len(prompts) * G:
+            raise ValueError(f"need one seed per sequence ({len(prompts) * G}), got {len(seeds)}")
+        vocab = self.model_cfg.vocab_size
+        if any(t < 0 or t >= vocab for p in prompts for t in p):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def _reserve(self, group: int, prompt_len: int, G: int, max_new: int) -> dict[int, list[int]]:
+        """Pages for one group: the full prompt pages shared G ways, then each sample's private tail."""
+        S = self.cfg.page_size
+        shared = self.kv.alloc(prompt_len // S)
+        for _ in range(G - 1):
+            self.kv.share(shared)
+        tail = math.ceil((prompt_len % S + max_new) / S)
+        return {group * G + j: shared + self.kv.alloc(tail) for j in range(G)}
+
+    def _prefill(self, groups, prompts, G, max_new, params, seeds, seq_pages, slot_seq) -> None:
+        """Prefill each admitted prompt once, fan its K/V out to its G samples, sample their first tokens."""
+        S, st, dev = self.cfg.page_size, self.state, self.device
+        lens = [len(prompts[g]) for g in groups]
+        T = max(lens)
+        ids = torch.zeros(len(groups), T, dtype=torch.long)
+        slots = torch.full((len(groups), T), SCRATCH_PAGE * S, dtype=torch.long)  # pads write to scratch
+        for r, g in enumerate(groups):
+            pages = seq_pages[g * G]                     # sample 0 holds the partial page during prefill
+            ids[r, :lens[r]] = torch.tensor(prompts[g])
+            t = torch.arange(lens[r])
+            slots[r, :lens[r]] = torch.tensor(pages)[t // S] * S + t % S
+        logits = self.model.prefill(ids.to(dev), torch.tensor(lens, device=dev), slots.to(dev),
+                                    self.kv.k, self.kv.v)                              # (groups, V)
+        for g, P in zip(groups, lens):
+            if P % S:                                    # partial prompt page: each sample gets its own copy
+                src = seq_pages[g * G][P // S]
+                for j in range(1, G):
+                    self.kv.copy_page(src, seq_pages[g * G + j][P // S])
+        seq_ids = [g * G + j for g in groups for j in range(G)]
+        rows = torch.arange(len(slot_seq), len(slot_seq) + len(seq_ids), device=dev)
+        seed = torch.tensor([seeds[s] for s in seq_ids], dtype=torch.int64, device=dev)
+        first, first_logp = sample(logits.repeat_interleave(G, 0), params, seed, torch.zeros_like(seed))
+        table = torch.full((len(seq_ids), st.block_table.shape[1]), SCRATCH_PAGE, dtype=torch.int32)
+        for r, s in enumerate(seq_ids):
+            table[r, :len(seq_pages[s])] = torch.tensor(seq_pages[s], dtype=torch.int32)
+        st.tok[rows] = first
+        st.pos[rows] = torch.tensor(lens, device=dev).repeat_interleave(G)
+        st.ctr[rows] = 1
+        st.seed[rows] = seed
+        st.limit[rows] = max_new
+        st.block_table[rows] = table.to(dev)
+        st.out_tok[rows, 0] = first
+        st.out_logp[rows, 0] = first_logp
+        st.done[rows] = torch.isin(first, st.stops) | (max_new <= 1)
+        slot_seq.extend(seq_ids)

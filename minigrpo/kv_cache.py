@@ -1,0 +1,96 @@
+"""Paged KV cache: one preallocated K pool and one V pool for all layers, and a page allocator.
+
+Memory is cut into pages of `page_size` token slots. A sequence owns a list of pages (its block table);
+attention reads its keys and values through that list, so sequences need no contiguous memory and
+pages can be shared. GRPO samples G completions of every prompt: the G sequences of a group share the
+prompt's full pages, counted by reference, and each owns only its copy of the prompt's partial last page
+plus the pages it generates into. A page returns to the free list when its last reference is released.
+
+Page 0 is never handed out: it is the scratch page that padded batch slots write into and that unused
+block-table entries point at, so a static-shape decode step never needs a branch for "no sequence here".
+
+The allocator lives on the host (plain lists): pages are handed out when sequences are admitted, between
+decode steps, never inside the captured step.
+
+Shape legend: L layers, P pages, S page size (token slots per page), K kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minigrpo.config import ModelConfig
+
+SCRATCH_PAGE = 0
+
+
+class OutOfPages(RuntimeError):
+    """The KV budget cannot hold what was asked; the message names the setting to raise."""
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        if page_size <= 0 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {page_size}")
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is scratch), got {num_pages}")
+        shape = (cfg.num_hidden_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)   # (L, P, S, K, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)   # (L, P, S, K, D)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self._refs = [0] * num_pages
+        self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # pop() hands out low page ids first
+
+    @staticmethod
+    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        """Pages that can ever be handed out (all but the scratch page)."""
+        return self.num_pages - 1
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"KV cache needs {n} more pages but only {len(self._free)} of {self.capacity} are "
+                             f"free; raise the engine's kv_pages (or kv_memory_fraction)")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more sequence holds these pages."""
+        for p in pages:
+            assert self._refs[p] > 0, f"page {p} is free and cannot be shared"
+            self._refs[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """A sequence lets go of its pages; each returns to the pool when nobody holds it any more."""
+        for p in pages:
+            assert self._refs[p] > 0, f"page {p} released more often than it was taken"
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy one page's K and V, all layers (a group's partial prompt page into a sample's own page)."""
+        self.k[:, dst].copy_(self.k[:, src])
+        self.v[:, dst].copy_(self.v[:, src])
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of N tokens at flat slots (page * S + offset). slots (N,) int64, k/v (N, K, D)."""
+        assert slots.dim() == 1 and k.shape == v.shape and k.shape[0] == slots.shape[0], "cache write shapes"
+        assert k.dtype == self.k.dtype, f"cache holds {self.k.dtype}, got {k.dtype}"
+        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)

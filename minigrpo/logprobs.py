@@ -26,8 +26,13 @@ from __future__ import annotations
 import torch
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax / accumulation dtype: fp32, or fp64 for fp64 inputs (lets gradcheck run in double)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = (h @ weight.T).float()  # (m, V) fp32
+    logits = (h @ weight.T).to(_acc_dtype(h.dtype))  # (m, V)
     if temperature != 1.0:
         logits.div_(temperature)
     return logits
@@ -37,19 +42,19 @@ class _ChunkedLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, want_entropy):
         # hidden (M, D), weight (V, D), targets (M,) long
-        M = hidden.shape[0]
-        logp = hidden.new_empty(M, dtype=torch.float32)  # (M,)
-        lse = hidden.new_empty(M, dtype=torch.float32)  # (M,) saved: backward needs softmax = exp(z - lse)
-        entropy = hidden.new_empty(M, dtype=torch.float32) if want_entropy else None
+        M, acc = hidden.shape[0], _acc_dtype(hidden.dtype)
+        logp = hidden.new_empty(M, dtype=acc)  # (M,)
+        lse = hidden.new_empty(M, dtype=acc)  # (M,) saved: backward needs softmax = exp(z - lse)
+        entropy = hidden.new_empty(M, dtype=acc) if want_entropy else None
         for s in range(0, M, chunk_size):
             e = min(s + chunk_size, M)
             z = _chunk_logits(hidden[s:e], weight, temperature)  # (m, V)
             lse[s:e] = torch.logsumexp(z, dim=-1)
-            logp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - lse[s:e]
+            z.sub_(lse[s:e, None])  # (m, V) log-softmax, in place
+            logp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1)
             if want_entropy:
-                # H = lse - sum_v p_v z_v; z is reused in place as p * z to avoid a second (m, V) buffer.
-                p = torch.exp(z - lse[s:e, None])  # (m, V)
-                entropy[s:e] = lse[s:e] - (p.mul_(z)).sum(-1)
+                # -sum p log p on log-probs directly: "lse - sum p z" cancels badly for peaked distributions
+                entropy[s:e] = -z.exp().mul_(z).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         if want_entropy:
@@ -62,23 +67,26 @@ class _ChunkedLogProb(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None  # (M, D)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # (V, D)
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None  # (V, D)
         M = hidden.shape[0]
         for s in range(0, M, ctx.chunk_size):
             e = min(s + ctx.chunk_size, M)
             h = hidden[s:e]  # (m, D)
-            g = grad_logp[s:e].float()  # (m,)
+            g = grad_logp[s:e].to(lse.dtype)  # (m,)
             # d logp / d z = onehot(target) - softmax(z), times the incoming grad, times 1/T for z = raw / T.
             dz = _chunk_logits(h, weight, ctx.temperature)  # (m, V)
             dz.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])  # -g * softmax
             dz.scatter_add_(-1, targets[s:e, None], g[:, None])  # + g * onehot
             if ctx.temperature != 1.0:
                 dz.div_(ctx.temperature)
-            dz = dz.to(hidden.dtype)
+            dz = dz.to(hidden.dtype)  # no-op for fp32 inputs
             if need_h:
                 grad_h[s:e] = dz @ weight  # (m, D)
             if need_w:
-                grad_w.addmm_(dz.T.float() if dz.dtype != torch.float32 else dz.T, h.float())  # (V, D)
+                if grad_w.dtype == dz.dtype:
+                    grad_w.addmm_(dz.T, h)  # (V, D), fused, no temporary
+                else:  # per-chunk product in the input dtype, summed over chunks in fp32
+                    grad_w.add_(dz.T @ h)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None
@@ -97,7 +105,7 @@ def token_logprobs(
 
     hidden (N, T, D) final-norm hidden states; lm_head_weight (V, D); targets (N, T) long in [0, V).
     Returns logp (N, T) fp32, or (logp, entropy) with entropy (N, T) fp32 of the same tempered
-    distribution when return_entropy (a metric: it carries no gradient).
+    distribution when return_entropy (a metric: it carries no gradient). fp64 inputs give fp64 outputs.
     Differentiable w.r.t. hidden and lm_head_weight; values and gradients equal the naive
     log_softmax computation up to fp32 rounding. Peak extra memory ~ chunk_size * V * 4 bytes x 2.
     Targets are not range-checked (that needs a host sync); out-of-range ids fail inside gather.
@@ -141,5 +149,7 @@ def shift_for_completion(
         raise ValueError(f"hidden {tuple(hidden.shape)} and input_ids {tuple(input_ids.shape)} disagree on (N, T)")
     T = input_ids.shape[1]
     if not 1 <= prompt_len < T:
-        raise ValueError(f"need 1 <= prompt_len < T={T} (at least one prompt and one completion token), got {prompt_len}")
+        raise ValueError(
+            f"need 1 <= prompt_len < T={T} (at least one prompt and one completion token), got {prompt_len}"
+        )
     return hidden[:, prompt_len - 1 : T - 1], input_ids[:, prompt_len:]

@@ -1,0 +1,147 @@
+"""GSM8K loading (local jsonl, hub path with a stubbed download), error messages, and prompt construction."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from minigrpo.gsm8k import INSTRUCTION, Example, build_messages, load_gsm8k, load_jsonl, parse_ground_truth
+from minigrpo.verifier import normalize_number
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+@pytest.mark.parametrize("split, count", [("train", 7473), ("test", 1319)])
+def test_load_real_splits(split, count):
+    path = DATA / f"{split}.jsonl"
+    if not path.is_file():
+        pytest.skip(f"GSM8K data not found at {path}")
+    examples = load_gsm8k(split, path=path)
+    assert len(examples) == count
+    assert all(isinstance(e, Example) for e in examples)
+    # every reference answer must be usable by the reward, or that prompt could never be rewarded
+    assert all(normalize_number(e.ground_truth) is not None for e in examples)
+    if split == "train":
+        assert examples[0].ground_truth == "72"  # Natalia's clips: 48 + 24
+        assert examples[0].question.startswith("Natalia sold clips")
+
+
+def _write(tmp_path, lines, name="data.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def _rec(question="Q?", answer="2 + 2 = 4\n#### 4"):
+    return json.dumps({"question": question, "answer": answer})
+
+
+def test_ground_truth_parsing(tmp_path):
+    path = _write(tmp_path, [_rec(answer="a\n#### 1,234"), "", _rec(answer="#### 1\nfix\n#### -5 "), _rec()])
+    examples = load_jsonl(path)  # the blank line is skipped
+    assert [e.ground_truth for e in examples] == ["1234", "-5", "4"]  # commas dropped, last #### wins
+    assert examples[0].answer_text == "a\n#### 1,234"
+    with pytest.raises(AttributeError):
+        examples[0].question = "mutated"  # frozen
+
+
+def test_parse_ground_truth_errors():
+    with pytest.raises(ValueError, match="no '#### <number>' line"):
+        parse_ground_truth("just a solution")
+    with pytest.raises(ValueError, match="nothing follows"):
+        parse_ground_truth("#### ")
+
+
+def test_missing_file_says_what_to_do(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found.*local openai/grade-school-math jsonl.*load_gsm8k"):
+        load_gsm8k("train", path=tmp_path / "nope.jsonl")
+
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    path = _write(tmp_path, [_rec(), '{"question": "Q", "answer": '])
+    with pytest.raises(ValueError, match=r"data\.jsonl:2: not valid JSON"):
+        load_jsonl(path)
+
+
+def test_non_object_line(tmp_path):
+    path = _write(tmp_path, ["[1, 2]"])
+    with pytest.raises(ValueError, match=r"data\.jsonl:1: expected a JSON object, got list"):
+        load_jsonl(path)
+
+
+def test_missing_key(tmp_path):
+    path = _write(tmp_path, [_rec(), _rec(), json.dumps({"question": "Q", "solution": "#### 1"})])
+    expected = r"data\.jsonl:3: missing key\(s\) \['answer'\].*found keys \['question', 'solution'\]"
+    with pytest.raises(ValueError, match=expected):
+        load_jsonl(path)
+
+
+def test_missing_hashes(tmp_path):
+    path = _write(tmp_path, [_rec(answer="the answer is 4")])
+    with pytest.raises(ValueError, match=r"data\.jsonl:1: answer has no '#### <number>' line"):
+        load_jsonl(path)
+
+
+def test_non_string_field(tmp_path):
+    path = _write(tmp_path, [json.dumps({"question": "Q", "answer": 4})])
+    with pytest.raises(ValueError, match=r"data\.jsonl:1: 'answer' must be a string, got int"):
+        load_jsonl(path)
+
+
+def test_empty_file(tmp_path):
+    with pytest.raises(ValueError, match="no examples"):
+        load_jsonl(_write(tmp_path, []))
+
+
+def test_bad_split():
+    with pytest.raises(ValueError, match="split must be one of"):
+        load_gsm8k("validation", path="unused.jsonl")
+
+
+def test_hub_without_pyarrow_says_how_to_fix(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow...` raise ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ImportError, match=r"pip install minigrpo\[hub-data\].*path="):
+        load_gsm8k("train")
+
+
+def test_hub_offline_says_how_to_pass_a_local_file(monkeypatch):
+    pytest.importorskip("pyarrow", reason="the hub path needs pyarrow (minigrpo[hub-data])")
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(*args, **kwargs):
+        raise LocalEntryNotFoundError("offline and not in the cache")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(RuntimeError, match=r"Could not download openai/gsm8k.*offline.*load_gsm8k\('test', path="):
+        load_gsm8k("test")
+
+
+def test_hub_parquet_is_read(monkeypatch, tmp_path):
+    pa = pytest.importorskip("pyarrow", reason="the hub path needs pyarrow (minigrpo[hub-data])")
+    import pyarrow.parquet as pq
+
+    import huggingface_hub
+
+    local = tmp_path / "test-00000-of-00001.parquet"
+    pq.write_table(pa.table({"question": ["Q1", "Q2"], "answer": ["x\n#### 3", "y\n#### 1,000"]}), local)
+    calls = []
+
+    def fake_download(repo_id, filename, **kwargs):
+        calls.append((repo_id, filename, kwargs.get("repo_type")))
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    examples = load_gsm8k("test")
+    assert calls == [("openai/gsm8k", "main/test-00000-of-00001.parquet", "dataset")]
+    assert [(e.question, e.ground_truth) for e in examples] == [("Q1", "3"), ("Q2", "1000")]
+
+
+def test_build_messages():
+    messages = build_messages("  What is 2 + 2?\n")
+    assert messages == [{"role": "user", "content": "What is 2 + 2?\n" + INSTRUCTION}]
+    assert "\\boxed{}" in messages[0]["content"] and "step by step" in messages[0]["content"]
+    with pytest.raises(ValueError, match="non-empty string"):
+        build_messages("   ")

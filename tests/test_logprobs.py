@@ -1,0 +1,175 @@
+"""Chunked log-probs: equal to the naive full-logits computation in value and gradient, smaller in memory."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from minigrpo.logprobs import shift_for_completion, token_logprobs
+
+N, T, D, V = 3, 5, 8, 50
+
+
+def _naive(hidden, weight, targets, temperature=1.0):
+    logits = (hidden @ weight.T).float() / temperature  # (N, T, V)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def _inputs(seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, T, D, generator=g, dtype=dtype) * 2
+    weight = torch.randn(V, D, generator=g, dtype=dtype)
+    targets = torch.randint(0, V, (N, T), generator=g)
+    return hidden, weight, targets
+
+
+def _values_and_grads(fn, hidden, weight, targets, upstream):
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    logp = fn(h, w, targets)
+    (logp * upstream).sum().backward()  # non-uniform upstream grad exercises the per-token scaling
+    return logp.detach(), h.grad, w.grad
+
+
+# N*T = 15 tokens: 1 and 4 and 7 do not divide 15, 15 is exact, 1024 is a single chunk
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 15, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_matches_naive_values_and_grads(chunk_size, temperature):
+    hidden, weight, targets = _inputs(seed=chunk_size)
+    upstream = torch.randn(N, T, generator=torch.Generator().manual_seed(1))
+    ours = _values_and_grads(
+        lambda h, w, t: token_logprobs(h, w, t, temperature=temperature, chunk_size=chunk_size),
+        hidden, weight, targets, upstream,
+    )
+    ref = _values_and_grads(lambda h, w, t: _naive(h, w, t, temperature)[0], hidden, weight, targets, upstream)
+    assert ours[0].dtype == torch.float32 and ours[0].shape == (N, T)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_gradcheck_double():
+    # Small shapes: gradcheck perturbs every input element (2 forwards each).
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (2, 3), generator=g)
+    fn = lambda h, w: token_logprobs(h, w, targets, temperature=0.8, chunk_size=4)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (hidden, weight))
+
+
+def test_temperature_changes_result():
+    hidden, weight, targets = _inputs(seed=0)
+    cold = token_logprobs(hidden, weight, targets, temperature=0.5)
+    assert not torch.allclose(token_logprobs(hidden, weight, targets), cold)
+
+
+def test_entropy_matches_naive_and_has_no_grad():
+    hidden, weight, targets = _inputs(seed=5)
+    hidden.requires_grad_(True)
+    logp, entropy = token_logprobs(hidden, weight, targets, temperature=0.9, chunk_size=4, return_entropy=True)
+    ref_logp, ref_entropy = _naive(hidden.detach(), weight, targets, 0.9)
+    torch.testing.assert_close(logp.detach(), ref_logp)
+    torch.testing.assert_close(entropy, ref_entropy)
+    assert logp.requires_grad and not entropy.requires_grad
+    assert entropy.dtype == torch.float32 and entropy.shape == (N, T)
+
+
+def test_frozen_weight_gets_no_grad():
+    hidden, weight, targets = _inputs(seed=6)
+    hidden.requires_grad_(True)
+    token_logprobs(hidden, weight, targets, chunk_size=4).sum().backward()
+    ref = hidden.detach().clone().requires_grad_(True)
+    _naive(ref, weight, targets)[0].sum().backward()
+    assert weight.grad is None
+    torch.testing.assert_close(hidden.grad, ref.grad)
+
+
+def test_bf16_inputs_close_to_naive():
+    # Mixed precision path: bf16 matmuls, fp32 softmax, fp32 accumulation of the weight grad.
+    hidden, weight, targets = _inputs(seed=7, dtype=torch.bfloat16)
+    upstream = torch.ones(N, T)
+    ours = _values_and_grads(lambda h, w, t: token_logprobs(h, w, t, chunk_size=4), hidden, weight, targets, upstream)
+    ref = _values_and_grads(lambda h, w, t: _naive(h, w, t)[0], hidden, weight, targets, upstream)
+    assert ours[0].dtype == torch.float32 and ours[1].dtype == ours[2].dtype == torch.bfloat16
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=2e-2)
+
+
+def test_bad_inputs():
+    hidden, weight, targets = _inputs(seed=0)
+    with pytest.raises(ValueError, match="int64"):
+        token_logprobs(hidden, weight, targets.int())
+    with pytest.raises(ValueError, match=r"lm_head_weight must be \(V, 8\)"):
+        token_logprobs(hidden, weight[:, :4], targets)
+    with pytest.raises(ValueError, match="share dtype"):
+        token_logprobs(hidden.double(), weight, targets)
+    with pytest.raises(ValueError, match="chunk_size"):
+        token_logprobs(hidden, weight, targets, chunk_size=0)
+
+
+class _LargestAlloc(TorchDispatchMode):
+    """Records the largest tensor any aten op returns (forward and backward both dispatch through here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.add(func.overloadpacket.__name__)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _largest_alloc(fn, hidden, weight, targets):
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    with _LargestAlloc() as probe:
+        fn(h, w, targets).sum().backward()
+    return probe
+
+
+def test_peak_tensor_is_one_chunk_of_logits():
+    # 512 tokens x V 4096: full logits would be 2M elements; chunks of 32 tokens are 131k.
+    g = torch.Generator().manual_seed(0)
+    n, t, d, v, chunk = 4, 128, 16, 4096, 32
+    hidden, weight = torch.randn(n, t, d, generator=g), torch.randn(v, d, generator=g)
+    targets = torch.randint(0, v, (n, t), generator=g)
+    naive = _largest_alloc(lambda h, w, y: _naive(h, w, y)[0], hidden, weight, targets)
+    ours = _largest_alloc(lambda h, w, y: token_logprobs(h, w, y, chunk_size=chunk), hidden, weight, targets)
+    assert naive.largest >= n * t * v  # the probe sees the full logits when they exist...
+    assert "scatter_add_" in ours.ops  # ...and it also sees our backward (the onehot add happens there)...
+    assert ours.largest == max(chunk * v, v * d, n * t * d)  # ...where nothing exceeds one chunk (or the weight)
+
+
+def test_shift_for_completion_hand_made():
+    # Prompt length P = 2, completion tokens at positions 2, 3, 4 (T = 5).
+    input_ids = torch.tensor([[10, 11, 20, 21, 22], [12, 13, 23, 24, 25]])
+    hidden = torch.arange(5.0).view(1, 5, 1).expand(2, 5, 3)  # hidden[:, t, :] == t
+    h, targets = shift_for_completion(hidden, input_ids, prompt_len=2)
+    # token at position 2 is scored by the hidden state at 1, ..., token at 4 by the state at 3
+    assert targets.tolist() == [[20, 21, 22], [23, 24, 25]]
+    assert h[..., 0].tolist() == [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]
+    assert h.shape == (2, 3, 3)
+
+
+def test_shift_for_completion_scores_next_token():
+    # A "model" whose hidden state at t is one-hot of token t+1 with weight = 10 * identity puts almost all
+    # mass on the right next token iff the offset is right.
+    ids = torch.tensor([[3, 1, 4, 1, 5, 2]])
+    hidden = torch.nn.functional.one_hot(torch.roll(ids, -1, dims=1), 6).float()  # (1, 6, 6)
+    h, targets = shift_for_completion(hidden, ids, prompt_len=3)
+    logp = token_logprobs(h, 10 * torch.eye(6), targets)
+    assert (logp > -1e-3).all()
+
+
+def test_shift_for_completion_errors():
+    with pytest.raises(ValueError, match="1 <= prompt_len < T=5"):
+        shift_for_completion(torch.zeros(1, 5, 2), torch.zeros(1, 5, dtype=torch.long), prompt_len=5)
+    with pytest.raises(ValueError, match="disagree"):
+        shift_for_completion(torch.zeros(1, 4, 2), torch.zeros(1, 5, dtype=torch.long), prompt_len=2)

@@ -1,0 +1,133 @@
+"""The rollout engine against the reference generate, and the paged cache's bookkeeping."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import random_model, tiny_config
+from minigrpo.decode import decode_step
+from minigrpo.engine import Engine, EngineConfig
+from minigrpo.generate import generate
+from minigrpo.kv_cache import OutOfPages
+from minigrpo.sampling import GREEDY, SamplingParams
+
+CFG = tiny_config(tied=False)
+STOP = (9, 236)  # greedy: two prompts stop early, one runs to the budget
+G = 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CFG, seed=0, std=0.2)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 16, 23, 9)]
+
+
+def reference(model, prompts, params=GREEDY, seeds=None, new=20):
+    return generate(model, [p for p in prompts for _ in range(G)], new, params=params, stop_ids=STOP, seeds=seeds)
+
+
+def make_engine(model, **kw):
+    cfg = dict(page_size=8, max_batch=16, max_seq_len=64, sync_every=3)
+    cfg.update(kw)
+    engine = Engine(CFG, EngineConfig(**cfg), device="cpu", dtype=torch.float32)
+    engine.load_weights(model)
+    return engine
+
+
+BACKENDS = ["eager", "sdpa"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+
+
+@pytest.mark.parametrize("attn", BACKENDS)
+def test_greedy_tokens_equal_reference(model, prompts, attn):
+    ref = reference(model, prompts)
+    assert any(len(t) < 20 for t in ref.tokens) and any(len(t) == 20 for t in ref.tokens)  # stops and budgets
+    engine = make_engine(model, attn=attn)
+    out = engine.generate(prompts, G, 20, GREEDY, stop_ids=STOP)
+    assert out.tokens == ref.tokens
+    assert engine.kv.num_free == engine.kv.capacity  # every page back in the pool
+
+
+@pytest.mark.parametrize("attn", ["sdpa"])
+def test_sampled_tokens_and_logprobs_equal_reference(model, prompts, attn):
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50)
+    seeds = list(range(100, 100 + len(prompts) * G))
+    ref = reference(model, prompts, params, seeds)
+    out = make_engine(model, attn=attn).generate(prompts, G, 20, params, stop_ids=STOP, seeds=seeds)
+    assert out.tokens == ref.tokens
+    diff = max(abs(a - b) for x, y in zip(out.logprobs, ref.logprobs) for a, b in zip(x, y))
+    assert diff < 1e-4
+    assert len({tuple(t) for t in out.tokens[:G]}) > 1  # samples of one prompt differ
+
+
+def test_group_shares_full_prompt_pages_and_frees_everything(model, prompts):
+    engine = make_engine(model, attn="eager")
+    S = engine.cfg.page_size
+    seen = {}
+    real_run = engine.runner.run
+
+    def spy(B, params, n):  # first decode: every group is prefilled, nothing has finished yet
+        if not seen:
+            table = engine.state.block_table
+            for group, p in enumerate(prompts):
+                rows = table[group * G:(group + 1) * G]
+                full = p.__len__() // S
+                shared = rows[:, :full]
+                assert (shared == shared[0]).all()  # the same physical pages in all G block tables
+                seen[group] = [engine.kv.refcount(int(pg)) for pg in shared[0]]
+                private = rows[:, full].tolist()     # partial page (or first generated page): one per sample
+                assert len(set(private)) == G and all(engine.kv.refcount(pg) == 1 for pg in private)
+        real_run(B, params, n)
+    engine.runner.run = spy
+    out = engine.generate(prompts, G, 20, GREEDY, stop_ids=STOP)
+    assert seen[1] == [G, G] and seen[2] == [G, G] and seen[0] == []  # 16 and 23 tokens: 2 full pages of 8
+    assert engine.kv.num_free == engine.kv.capacity
+    assert out.tokens == reference(model, prompts).tokens
+
+
+def test_small_budget_admits_groups_in_waves(model, prompts):
+    # Room for about one group at a time: later groups wait for finished ones, results are unchanged.
+    engine = make_engine(model, attn="sdpa", kv_pages=16)  # 15 usable pages: one group at a time (10-14 each)
+    assert engine.generate(prompts, G, 20, GREEDY, stop_ids=STOP).tokens == reference(model, prompts).tokens
+    assert engine.kv.num_free == engine.kv.capacity
+
+
+def test_budget_too_small_for_one_group_is_a_clear_error(model, prompts):
+    engine = make_engine(model, attn="sdpa", kv_pages=4)
+    with pytest.raises(OutOfPages, match="raise EngineConfig.kv_pages"):
+        engine.generate(prompts, G, 20, GREEDY, stop_ids=STOP)
+    assert engine.kv.num_free == engine.kv.capacity  # nothing leaked by the failed request
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompts=[[1, 2]], G=1, new=100), "exceeds the engine's max_seq_len 64"),
+    (dict(prompts=[[]], G=1, new=4), "every prompt at least one token"),
+    (dict(prompts=[[1, 999]], G=1, new=4), r"prompt token ids must be in \[0, 256\)"),
+    (dict(prompts=[[1]], G=17, new=4), "samples_per_prompt must be in"),
+    (dict(prompts=[[1]], G=2, new=4, seeds=[1]), "need one seed per sequence"),
+])
+def test_bad_requests(model, kwargs, message):
+    engine = make_engine(model)
+    with pytest.raises(ValueError, match=message):
+        engine.generate(kwargs["prompts"], kwargs["G"], kwargs["new"], GREEDY, seeds=kwargs.get("seeds"))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "triton"])
+def test_decode_step_traces_with_zero_graph_breaks(model, attn):
+    engine = make_engine(model, attn=attn)
+    explain = torch._dynamo.explain(decode_step)(engine.model, attn, SamplingParams(1.0),
+                                                  *engine.state.args(8), engine.kv.k, engine.kv.v)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    assert explain.graph_count == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sample_in_graph", [True, False])
+def test_compiled_step_equals_reference(model, prompts, sample_in_graph):
+    engine = make_engine(model, attn="sdpa", compile="step", sample_in_graph=sample_in_graph)
+    assert engine.generate(prompts, G, 20, GREEDY, stop_ids=STOP).tokens == reference(model, prompts).tokens

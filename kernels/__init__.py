@@ -1,0 +1,13 @@
+"""Triton kernels for the decode step, registered as PyTorch ops (importing this package registers them).
+
+    torch.ops.minigrpo.paged_decode_attention(q, k_pool, v_pool, block_table, seq_lens, scale, num_splits=0)
+    torch.ops.minigrpo.rope_store(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
+
+CUDA tensors run the compiled kernels; with TRITON_INTERPRET=1 set before triton is first imported, CPU
+tensors run them under Triton's interpreter (the CPU tests).
+"""
+
+from kernels.decode_attention import paged_decode_attention
+from kernels.rope_store import rope_store
+
+__all__ = ["paged_decode_attention", "rope_store"]

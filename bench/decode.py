@@ -1,0 +1,315 @@
+"""Decode benchmark: the rollout engine per attention backend and graph mode, HF `generate` (dynamic and
+static cache) on the same weights and prompts, and the floors, all in one run.
+
+    python bench/decode.py                                   # 8x8 and 32x8 GSM8K prompts x 256 new tokens
+    python bench/decode.py --workloads 8x8 --attn triton --modes step+graphs --no-peers
+    python bench/decode.py --report                          # graphs, graph breaks, kernel launches per step
+
+Timing: CUDA events around each run of `sync_every` decode steps, median per step; tokens/s over the whole
+generate call (prefill and host syncs included). Stop ids are ignored, so every sequence decodes exactly
+`--new` tokens, as in the peer measurement. Floors, measured in the same run:
+  bandwidth floor  (weight bytes + KV bytes read per step) / measured copy bandwidth
+  matmul floor     the step's own GEMM chain (24 x qkv, o_proj, gate_up, down, residual adds, SiLU, then the
+                   LM head) captured alone in one CUDA graph
+A table goes to stdout, everything to <out>/decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.workload import gsm8k_prompts, random_qwen  # noqa: E402
+from minigrpo.attention import decode_attention  # noqa: E402
+from minigrpo.decode import advance, decode_step  # noqa: E402
+from minigrpo.engine import Engine, EngineConfig  # noqa: E402
+from minigrpo.sampling import SamplingParams  # noqa: E402
+
+MODES = {"none": ("none", False), "graphs": ("none", True), "step": ("step", False), "step+graphs": ("step", True)}
+SAMPLING = SamplingParams(temperature=1.0)  # the GRPO rollout setting; the peers sample the same way
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (TB/s)."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / (time_graph(lambda: y.copy_(x), reps=20) * 1e-3) / 1e12
+
+
+def time_graph(fn, reps=50) -> float:
+    """Median ms of one call of fn, captured in a CUDA graph and replayed (launch overhead excluded)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def gemm_chain(engine: Engine, B: int, compiled: bool):
+    """The decode step's matmuls alone (with residual adds and SiLU): the matmul floor."""
+    m = engine.model
+    H, D = m.cfg.num_attention_heads, m.cfg.head_dim
+    x0 = torch.randn(B, m.cfg.hidden_size, device="cuda", dtype=m.embed.dtype)
+
+    def chain(x, lm_head=True):
+        for i in range(m.cfg.num_hidden_layers):
+            qkv = F.linear(x, m.w_qkv[i], m.b_qkv[i])
+            x = x + F.linear(qkv[:, :H * D], m.w_o[i])
+            gate, up = F.linear(x, m.w_gate_up[i]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, m.w_down[i])
+        return F.linear(x, m.lm_head) if lm_head else x
+    fn = torch.compile(chain, fullgraph=True) if compiled else chain
+    return lambda lm_head=True: fn(x0, lm_head)
+
+
+def bandwidth_floor_ms(engine: Engine, B: int, mean_ctx: float, copy_tbs: float) -> float:
+    """Bytes a decode step must read (every weight once, every cached K/V row once) over copy bandwidth."""
+    m = engine.model
+    # named_buffers lists a tied LM head once (it is the embedding); an untied embedding is only looked up.
+    weight_bytes = sum(t.numel() * t.element_size() for n, t in m.named_buffers()
+                       if n not in ("cos", "sin") and not (n == "embed" and m.lm_head is not m.embed))
+    k0 = engine.kv.k[0]
+    kv_bytes = 2 * len(engine.kv.k) * B * mean_ctx * k0[0, 0].numel() * k0.element_size()
+    return (weight_bytes + kv_bytes) / (copy_tbs * 1e12) * 1e3
+
+
+def run_engine(model, prompts, G, new, attn, mode, page_size) -> dict:
+    comp, graphs = MODES[mode]
+    N = len(prompts) * G
+    max_len = -(-(max(len(p) for p in prompts) + new) // 64) * 64
+    cfg = EngineConfig(attn=attn, compile=comp, cuda_graphs=graphs, max_batch=N, buckets=(N,),
+                       max_seq_len=max_len, page_size=page_size, kv_pages=N * (max_len // page_size + 1) + 1)
+    engine = Engine(model.config, cfg, device="cuda")
+    engine.load_weights(model)
+    t0 = time.perf_counter()
+    engine.generate(prompts, G, 2 * cfg.sync_every, SAMPLING)  # warm-up: compile and capture
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t0
+    step_ms, prefill_ms = [], []
+    run, prefill = engine.runner.run, engine._prefill
+
+    def timed(store, fn, per):
+        def wrapper(*a):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn(*a)
+            e.record()
+            e.synchronize()
+            store.append(s.elapsed_time(e) / per(a))
+        return wrapper
+    engine.runner.run = timed(step_ms, run, lambda a: a[2])
+    engine._prefill = timed(prefill_ms, prefill, lambda a: 1)
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, G, new, SAMPLING, seeds=list(range(N)))
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    assert all(len(t) == new for t in out.tokens)
+    engine.runner.run = run
+    return dict(engine=engine, ms_per_step=statistics.median(step_ms), prefill_ms=sum(prefill_ms),
+                tok_per_s=N * new / wall, seconds=wall, warmup_s=warmup_s,
+                peak_gb=torch.cuda.max_memory_allocated() / 1e9)
+
+
+def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
+    """Share of one decode step per part, from graph-timed pieces; norms/RoPE/KV store are the remainder."""
+    st, kv, m, attn = engine.state, engine.kv, engine.model, engine.cfg.attn
+    tok, pos, ctr, seed, limit, done, stops, table, out_tok, out_logp = st.args(B)
+    pages = torch.randperm(kv.num_pages - 1, device="cuda")[: B * table.shape[1]].view(B, -1) + 1
+    table.copy_(pages.int())
+    pos.fill_(ctx)
+    done.fill_(False)
+    limit.fill_(1 << 30)
+    ctr.zero_()
+    step, _ = engine.runner.units(B, SAMPLING)  # the step exactly as this engine config runs it
+    full = time_graph(step)
+    pos.fill_(ctx)
+    chain = gemm_chain(engine, B, compiled=True)
+    matmul_ms = time_graph(lambda: chain(False))
+    lm_head_ms = time_graph(chain) - matmul_ms
+    H, D = m.cfg.num_attention_heads, m.cfg.head_dim
+    q = torch.randn(B, H, D, device="cuda", dtype=m.embed.dtype)
+    lens = torch.full((B,), ctx + 1, dtype=torch.int32, device="cuda")
+    attn_ms = time_graph(lambda: [decode_attention(attn, q, kv.k[i], kv.v[i], table, lens, D ** -0.5)
+                                  for i in range(len(kv.k))])
+    logits = torch.randn(B, m.cfg.vocab_size, device="cuda", dtype=m.embed.dtype)
+    adv = torch.compile(advance, fullgraph=True) if engine.cfg.compile == "step" else advance
+    sample_ms = time_graph(lambda: adv(logits, SAMPLING, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp))
+    st.done.fill_(True)
+    rest = full - matmul_ms - lm_head_ms - attn_ms - sample_ms
+    parts = dict(matmuls=matmul_ms, attention=attn_ms, norms_rope_kvstore_rest=rest, lm_head=lm_head_ms,
+                 sampling=sample_ms)
+    return dict(step_ms=full, context=ctx, **{k: round(v, 4) for k, v in parts.items()},
+                shares={k: round(v / full, 3) for k, v in parts.items()})
+
+
+def hf_peer(model, prompts, G, new) -> list[dict]:
+    try:
+        import transformers
+    except ImportError:
+        return [dict(peer="hf", skipped="transformers not installed")]
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**model.config.to_hf_dict("bfloat16")))
+    hf = hf.to("cuda", torch.bfloat16).eval()
+    hf.load_state_dict(model.state_dict(), strict=False)
+    hf.tie_weights()
+    seqs = [p for p in prompts for _ in range(G)]
+    T = max(len(s) for s in seqs)
+    ids = torch.tensor([[0] * (T - len(s)) + s for s in seqs], device="cuda")
+    mask = torch.tensor([[0] * (T - len(s)) + [1] * len(s) for s in seqs], device="cuda")
+    rows = []
+    for mode, kw in (("hf_dynamic_cache", {}), ("hf_static_cache", dict(cache_implementation="static"))):
+        args = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=True,
+                    temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0, **kw)
+        try:
+            for _ in range(2):
+                hf.generate(ids, **args)  # warm-up (and auto-compile for the static cache)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = hf.generate(ids, **args)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            n = out.shape[1] - T
+            rows.append(dict(mode=mode, ms_per_step=1e3 * dt / n, tok_per_s=len(seqs) * n / dt, seconds=dt))
+        except Exception as e:  # a peer failing is a finding, not a reason to lose the run
+            rows.append(dict(mode=mode, error=repr(e)[:300]))
+    del hf
+    torch.cuda.empty_cache()
+    return rows
+
+
+def report(model, prompts, attns) -> list[dict]:
+    """Per backend: compiled graphs and graph breaks of the step (compile=step), kernel launches per step."""
+    rows = []
+    for attn in attns:
+        cfg = EngineConfig(attn=attn, max_batch=8, buckets=(8,), max_seq_len=512, kv_pages=8 * 33 + 1)
+        engine = Engine(model.config, cfg, device="cuda")
+        engine.load_weights(model)
+        engine.generate(prompts[:8], 1, 4, SAMPLING)
+        st, kv, m = engine.state, engine.kv, engine.model
+        args = (m, attn, SAMPLING, *st.args(8), kv.k, kv.v)
+        st.done.fill_(False)
+        explain = torch._dynamo.explain(decode_step)(*args)
+        row = dict(attn=attn, graphs=explain.graph_count, graph_breaks=explain.graph_break_count,
+                   break_reasons=[str(b.reason) for b in explain.break_reasons])
+        compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
+        for name, fn in (("none", decode_step), ("step", compiled)):
+            fn(*args)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                fn(*args)
+                torch.cuda.synchronize()
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            row[f"kernels_per_step_compile_{name}"] = len(kernels)
+        st.done.fill_(True)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default="8x8,32x8", help="PROMPTSxSAMPLES, comma-separated")
+    p.add_argument("--new", type=int, default=256, help="new tokens per sequence")
+    p.add_argument("--attn", default="eager,sdpa,triton", help="backends, comma-separated")
+    p.add_argument("--modes", default="none,graphs,step,step+graphs", help=f"of {list(MODES)}")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--no-peers", action="store_true", help="skip HF generate")
+    p.add_argument("--report", action="store_true", help="graph / graph-break / kernel-launch report only")
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for decode.json")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    model = random_qwen()
+    _, all_prompts = gsm8k_prompts(max(int(w.split("x")[0]) for w in args.workloads.split(",")))
+    attns = args.attn.split(",")
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bandwidth())
+    out = Path(args.out) / ("decode_report.json" if args.report else "decode.json")
+    if args.report:
+        result["report"] = report(model, all_prompts, attns)
+        out.write_text(json.dumps(result, indent=1))
+        return
+    result["workloads"] = []
+    for w in args.workloads.split(","):
+        n_prompts, G = (int(x) for x in w.split("x"))
+        prompts, N = all_prompts[:n_prompts], n_prompts * G
+        rows, best = [], None
+        for attn in attns:
+            for mode in args.modes.split(","):
+                try:
+                    r = run_engine(model, prompts, G, args.new, attn, mode, args.page_size)
+                    engine = r.pop("engine")
+                    if best is None or r["ms_per_step"] < best[1]["ms_per_step"]:
+                        best = (engine, dict(r, attn=attn, mode=mode))
+                except Exception as e:
+                    traceback.print_exc()
+                    r = dict(error=repr(e)[:300])
+                rows.append(dict(attn=attn, mode=mode, **r))
+                print(json.dumps(rows[-1]), flush=True)
+        mean_ctx = statistics.mean(len(p) for p in prompts) + args.new / 2
+        wl = dict(workload=w, sequences=N, new=args.new, mean_prompt=statistics.mean(len(p) for p in prompts),
+                  engine=rows)
+        if best is not None:
+            engine = best[0]
+            wl["bandwidth_floor_ms"] = bandwidth_floor_ms(engine, N, mean_ctx, result["copy_tb_s"])
+            wl["matmul_floor_ms"] = time_graph(gemm_chain(engine, N, compiled=True))
+            wl["matmul_floor_cublas_ms"] = time_graph(gemm_chain(engine, N, compiled=False))
+            wl["breakdown"] = dict(step_breakdown(engine, N, int(mean_ctx)), attn=best[1]["attn"], mode=best[1]["mode"])
+            del engine, best
+        if not args.no_peers:
+            wl["peers"] = hf_peer(model, prompts, G, args.new)
+        result["workloads"].append(wl)
+        out.write_text(json.dumps(result, indent=1))
+        torch.cuda.empty_cache()
+    print_table(result)
+
+
+def print_table(result):
+    print(f"\n{result['gpu']}  copy {result['copy_tb_s']:.2f} TB/s")
+    for wl in result["workloads"]:
+        peers = {r["mode"]: r for r in wl.get("peers", []) if "ms_per_step" in r}
+        static = peers.get("hf_static_cache", {}).get("tok_per_s")
+        mm = wl.get("matmul_floor_ms")
+        print(f"\n{wl['workload']} ({wl['sequences']} seqs x {wl['new']} new); floors: bandwidth "
+              f"{wl.get('bandwidth_floor_ms', float('nan')):.3f} ms, matmul chain {mm or float('nan'):.3f} ms "
+              f"(cuBLAS eager {wl.get('matmul_floor_cublas_ms', float('nan')):.3f})")
+        print(f"{'attn':8} {'mode':12} {'ms/step':>8} {'tok/s':>9} {'prefill':>8} {'peak GB':>8} "
+              f"{'x HF static':>11} {'/ matmul':>8}")
+        for r in wl["engine"]:
+            if "error" in r:
+                print(f"{r['attn']:8} {r['mode']:12} ERROR {r['error'][:80]}")
+                continue
+            print(f"{r['attn']:8} {r['mode']:12} {r['ms_per_step']:8.3f} {r['tok_per_s']:9.0f} "
+                  f"{r['prefill_ms']:8.2f} {r['peak_gb']:8.2f} "
+                  f"{(r['tok_per_s'] / static) if static else float('nan'):11.2f} "
+                  f"{(r['ms_per_step'] / mm) if mm else float('nan'):8.2f}")
+        for mode, r in peers.items():
+            print(f"{'hf':8} {mode:12} {r['ms_per_step']:8.3f} {r['tok_per_s']:9.0f}")
+        if "breakdown" in wl:
+            print("step breakdown:", json.dumps(wl["breakdown"]))
+
+
+if __name__ == "__main__":
+    main()

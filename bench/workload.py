@@ -1,0 +1,44 @@
+"""The standard benchmark workload: a random-initialised model of the exact Qwen2.5-0.5B shape, and real
+GSM8K prompts through the real tokenizer and chat template.
+
+No weights exist offline, and decode speed does not depend on weight values, so the benchmarks and GPU
+checks use random weights at the real shape. The data folder (config.json, tokenizer files, GSM8K jsonl)
+is found at $MINIGRPO_DATA, else at ../shared/data beside the checkout.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from minigrpo.config import ModelConfig
+from minigrpo.gsm8k import build_messages, load_jsonl
+from minigrpo.model import Qwen2ForCausalLM, init_weights
+from minigrpo.tokenizer import Tokenizer
+
+
+def data_dir() -> Path:
+    env = os.environ.get("MINIGRPO_DATA")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def qwen_dir() -> Path:
+    return data_dir() / "qwen2.5-0.5b-instruct"
+
+
+def random_qwen(device="cuda", dtype=torch.bfloat16, seed=0, std=0.02) -> Qwen2ForCausalLM:
+    """Qwen2.5-0.5B-Instruct's architecture with transformers' initialiser (normal(0, std))."""
+    cfg = ModelConfig.from_json(qwen_dir() / "config.json")
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg)
+    init_weights(model, torch.Generator(device=device).manual_seed(seed), std=std)
+    return model.to(dtype).eval()
+
+
+def gsm8k_prompts(n: int, split: str = "test") -> tuple[Tokenizer, list[list[int]]]:
+    """The first n GSM8K questions as chat-templated token ids."""
+    tok = Tokenizer.from_dir(qwen_dir())
+    examples = load_jsonl(data_dir() / "gsm8k" / f"{split}.jsonl")[:n]
+    return tok, [tok.encode_chat(build_messages(e.question)) for e in examples]

@@ -1,0 +1,270 @@
+"""Paged decode attention in Triton: one new query token per sequence against its paged KV cache.
+
+Decode attention is pure memory traffic (each K/V byte is used by only n_rep query heads), so the design
+is about reading the cache once, at full bandwidth, straight from the pool:
+
+* No gather. Each token's page comes from the block table inside the kernel; K/V rows are loaded from
+  the pool directly, D contiguous elements per row, so loads vectorise to 16 bytes.
+* One program per (sequence, KV head, split) serves all n_rep query heads of the group: the q tile is
+  (BLOCK_H >= 16, D) and both products are `tl.dot`s, so each K/V tile is read once per group, not
+  once per query head.
+* BLOCK_N = 64 tokens per iteration (4 pages at page size 16): enough bytes in flight per step, whatever
+  the page size, because a token's page is looked up per token rather than per iteration.
+* Split-K over the sequence fills the GPU when batch * kv_heads alone cannot. Each split reduces its
+  share with an online softmax (fp32, log2 domain) and writes a normalised partial output and its
+  log-sum-exp; a second small kernel merges them. The split count depends only on static shapes
+  (batch, kv heads, block-table width, SM count), never on seq_lens, so one CUDA graph per shape works;
+  the per-split token range is computed in the kernel from seq_lens (data, not shape).
+* seq_len 0 (padded CUDA-graph slots) gives an all-zero output and touches no page.
+
+Registered as `torch.ops.minigrpo.paged_decode_attention` through `torch.library.triton_op`, so
+torch.compile(fullgraph=True) traces the kernels (no graph break, no copy of the pool). With
+TRITON_INTERPRET=1 the same kernels run on CPU tensors through Triton's interpreter (the CPU tests).
+
+Shape legend: B sequences, Hq query heads, Hkv KV heads, D head dim, P pages in the pool, S tokens per
+page, M block-table width (pages per sequence), NS splits of the sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+BLOCK_N = 64                 # tokens per inner-loop step
+MIN_TOKENS_PER_SPLIT = 128   # a split shorter than this costs more in merge traffic than it gains
+MAX_SPLITS = 32
+PROGRAMS_PER_SM = 4          # resident programs per SM the split count aims for (latency hiding)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_pool_ptr, v_pool_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, stride_os,
+    qk_scale, max_tokens,
+    HKV: tl.constexpr, N_REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_tokens)  # clamp: never walk off the table row
+    # Every split gets an equal share rounded up to whole blocks; trailing splits may be empty.
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)                                   # query heads of this group (padded)
+    row_ok = rows < N_REP
+    heads = kvh * N_REP + rows
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)                   # (BLOCK_H, D)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)              # running max (log2 units)
+    l = tl.zeros([BLOCK_H], tl.float32)                            # running softmax denominator
+    acc = tl.zeros([BLOCK_H, D], tl.float32)                       # running numerator
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)                        # (BLOCK_N,) positions in the sequence
+        tok_ok = tok < hi
+        page = tl.load(block_table_ptr + b * stride_bt + tok // PAGE, mask=tok_ok, other=0)
+        # int64: page * PAGE * HKV * D overflows int32 on large pools.
+        row = (page.to(tl.int64) * PAGE + tok % PAGE) * (HKV * D) + kvh * D   # (BLOCK_N,) element offsets
+        kv_off = row[:, None] + d[None, :]                                     # (BLOCK_N, D)
+        k = tl.load(k_pool_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        v = tl.load(v_pool_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (BLOCK_H, BLOCK_N)
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))        # finite: every step has at least one valid token
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    # An empty split (or seq_len 0) has l == 0: output 0 and lse -inf, which the merge weighs as nothing.
+    has_any = l > 0
+    out = acc / tl.where(has_any, l, 1.0)[:, None]
+    lse = tl.where(has_any, m + tl.log2(tl.where(has_any, l, 1.0)), float("-inf"))
+    o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    tl.store(o_ptr + o_off, out, mask=row_ok[:, None])             # casts to o's dtype
+    tl.store(lse_ptr + (b * HKV * N_REP + heads) * NUM_SPLITS + split, lse, mask=row_ok)  # (B, Hq, NS)
+
+
+@triton.jit
+def _merge_splits_kernel(o_part_ptr, lse_ptr, out_ptr,
+                         NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr):
+    bh = tl.program_id(0)                                          # flat (sequence, query head)
+    s = tl.arange(0, SPLITS_P2)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, D)
+    lse = tl.load(lse_ptr + bh * NUM_SPLITS + s, mask=s_ok, other=float("-inf"))   # (SPLITS_P2,)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)       # every split empty (seq_len 0): weights become 0
+    w = tl.exp2(lse - m)
+    o = tl.load(o_part_ptr + (bh * NUM_SPLITS + s)[:, None] * D + d[None, :],
+                mask=s_ok[:, None], other=0.0)                                     # (SPLITS_P2, D)
+    den = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + bh * D + d, out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host side: contract checks, static launch configuration, the registered op.
+# ----------------------------------------------------------------------------------------------------
+
+def check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens) -> None:
+    """Assert the paged-KV decode contract on metadata only (no device sync; safe under torch.compile)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be (batch, q_heads, head_dim), got shape {tuple(q.shape)}")
+    B, Hq, D = q.shape
+    if k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"k_pool and v_pool must both be (pages, page_size, kv_heads, head_dim) for one "
+                         f"layer (pass pool[layer]); got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+    P, S, Hkv, Dk = k_pool.shape
+    if Dk != D:
+        raise ValueError(f"head_dim mismatch: q has {D}, the KV pool has {Dk}")
+    if Hq % Hkv:
+        raise ValueError(f"q_heads ({Hq}) must be a multiple of kv_heads ({Hkv}) for grouped-query attention")
+    if not (q.dtype == k_pool.dtype == v_pool.dtype):
+        raise TypeError(f"q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"unsupported dtype {q.dtype}: use float16, bfloat16 or float32")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("k_pool and v_pool must be contiguous (P, S, Hkv, D) tensors")
+    if q.stride(-1) != 1:
+        raise ValueError(f"q's last dim must be contiguous, got strides {q.stride()}")
+    if block_table.dim() != 2 or block_table.shape[0] != B or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32 (batch={B}, max_pages), got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
+    if block_table.stride(-1) != 1:
+        raise ValueError(f"block_table rows must be contiguous, got strides {block_table.stride()}")
+    if seq_lens.shape != (B,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 (batch={B},), got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    devices = {t.device for t in (q, k_pool, v_pool, block_table, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all decode-attention inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: small grids keep tests fast
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int) -> int:
+    """Splits of each sequence so that batch * kv_heads * splits programs fill the GPU.
+
+    Static inputs only (max_tokens = block-table width * page size), so a CUDA graph captured for one
+    batch shape stays valid for any seq_lens.
+    """
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch * kv_heads)
+    cap = max(1, max_tokens // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the kernels are launched. `default_config` picks one from static shapes; benchmarks sweep it."""
+    num_splits: int
+    block_n: int = BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(batch: int, kv_heads: int, max_tokens: int, head_dim: int, device: torch.device):
+    # 3 stages of a 64-token K+V tile is 48 KiB of shared memory at D = 64 (several programs per SM);
+    # at D = 128 two stages keep the same footprint.
+    return LaunchConfig(num_splits=choose_num_splits(batch, kv_heads, max_tokens, _num_sms(device)),
+                        num_stages=2 if head_dim >= 128 else 3)
+
+
+# TRITON_INTERPRET=1 turns every @triton.jit into a CPU-interpreted function, so the kernels accept CPU
+# tensors (the tests without a GPU). Triton's own library (tl.max, tl.cdiv, ...) is built when triton is
+# first imported, so the flag only works if it was set before that; otherwise both checks disagree.
+INTERPRETED = not isinstance(_paged_decode_kernel, triton.runtime.JITFunction) and \
+    not isinstance(tl.max, triton.runtime.JITFunction)
+
+
+def check_runnable(device: torch.device) -> None:
+    if device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(f"Triton kernels need CUDA tensors (got {device}); to run them on the CPU, set "
+                           "TRITON_INTERPRET=1 before anything imports triton (torch._dynamo does)")
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def launch_paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale: float, config: LaunchConfig):
+    """Both kernels under an explicit configuration (inputs already checked). -> (B, Hq, D)."""
+    check_runnable(q.device)
+    B, Hq, D = q.shape
+    _, S, Hkv, _ = k_pool.shape
+    M = block_table.shape[1]
+    NS = config.num_splits
+    if not _is_pow2(D) or D < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16 for the Triton kernel, got {D}")
+    if not _is_pow2(S):
+        raise ValueError(f"page_size must be a power of two for the Triton kernel, got {S}")
+    if NS < 1 or not _is_pow2(config.block_n) or config.block_n < 16:
+        raise ValueError(f"invalid launch config {config}: need num_splits >= 1, block_n a power of two >= 16")
+    n_rep = Hq // Hkv
+
+    out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)                        # (B, Hq, D)
+    lse = torch.empty((B, Hq, NS), dtype=torch.float32, device=q.device)                 # (B, Hq, NS)
+    # One split writes the final output directly; several write fp32 partials for the merge.
+    o_part = out if NS == 1 else torch.empty((B, Hq, NS, D), dtype=torch.float32, device=q.device)
+    stride_os = 0 if NS == 1 else o_part.stride(2)                                       # o_part (B, Hq, NS, D)
+    wrap_triton(_paged_decode_kernel)[(B, Hkv, NS)](
+        q, k_pool, v_pool, block_table, seq_lens, o_part, lse,
+        q.stride(0), q.stride(1), block_table.stride(0), o_part.stride(0), o_part.stride(1), stride_os,
+        scale * LOG2E, M * S,
+        HKV=Hkv, N_REP=n_rep, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), D=D, PAGE=S,
+        BLOCK_N=config.block_n, NUM_SPLITS=NS,
+        # fp32 inputs get exact products (tests); bf16/fp16 ignore this and use tensor cores.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if NS > 1:
+        wrap_triton(_merge_splits_kernel)[(B * Hq,)](
+            o_part, lse, out, NUM_SPLITS=NS, SPLITS_P2=triton.next_power_of_2(NS), D=D,
+            num_warps=1 if D <= 64 else 2,
+        )
+    return out
+
+
+@triton_op("minigrpo::paged_decode_attention", mutates_args=())
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           num_splits: int = 0) -> torch.Tensor:
+    """softmax(q k^T * scale) v over each sequence's first seq_lens[b] cached tokens. -> (B, Hq, D), q's dtype.
+
+    q (B, Hq, D); k_pool, v_pool (P, S, Hkv, D) contiguous; block_table (B, M) int32; seq_lens (B,) int32.
+    num_splits: 0 picks it from static shapes; >= 1 forces it (1 = single pass, no merge kernel).
+    """
+    check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens)
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be 0 (auto) or positive, got {num_splits}")
+    B, _, D = q.shape
+    _, S, Hkv, _ = k_pool.shape
+    config = default_config(B, Hkv, block_table.shape[1] * S, D, q.device)
+    if num_splits:
+        config = replace(config, num_splits=num_splits)
+    return launch_paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale, config)
+
+
+if INTERPRETED:
+    # The interpreter needs real data, so Dynamo gets a shape-only fake instead of tracing the kernel
+    # launches (compiled kernels keep triton_op's default: the body is traced).
+    @paged_decode_attention.register_fake
+    def _(q, k_pool, v_pool, block_table, seq_lens, scale, num_splits=0):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)

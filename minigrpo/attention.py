@@ -1,0 +1,136 @@
+"""Decode-step attention over the paged KV cache, behind one interface with three interchangeable backends.
+
+    decode_attention(backend, q, k_pool, v_pool, block_table, seq_lens, scale) -> (B, Hq, D)
+    rope_store(backend, q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> rotated q
+
+Backends:
+  eager  - gather each sequence's pages, plain fp32 math. The readable reference the others are tested against.
+  sdpa   - gather pages into a dense padded K/V, then F.scaled_dot_product_attention with a length mask.
+  triton - the paged kernels in `kernels/` (no gather: K/V are read straight from the pool).
+
+KV-cache contract (one layer): k_pool, v_pool (P, S, Hkv, D) contiguous; block_table (B, M) int32 lists each
+sequence's pages in order (entries past its length are never used); seq_lens (B,) int32 counts valid tokens
+including the current one, whose K/V is already stored. seq_len 0 (a padded CUDA-graph slot) yields zeros.
+Query head h reads KV head h // n_rep.
+
+Everything here has static shapes and no host sync, so it runs inside torch.compile(fullgraph=True) and
+CUDA graphs.
+
+Shape legend: B sequences, Hq query heads, Hkv KV heads, R = n_rep = Hq / Hkv, D head dim, P pages,
+S page size, M block-table width, T = M * S padded context length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import kernels  # registers torch.ops.minigrpo.*
+from kernels.decode_attention import check_decode_inputs
+from kernels.rope_store import check_rope_store_inputs
+from minigrpo.model import apply_rope
+
+BACKENDS = ("eager", "sdpa", "triton")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+
+
+def decode_attention(backend: str, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one new query token per sequence over its cached tokens. q (B, Hq, D) -> (B, Hq, D)."""
+    _check_backend(backend)
+    if backend == "triton":
+        return torch.ops.minigrpo.paged_decode_attention(q, k_pool, v_pool, block_table, seq_lens, scale)
+    check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens)
+    if backend == "eager":
+        return _eager_decode(q, k_pool, v_pool, block_table, seq_lens, scale)
+    return _sdpa_decode(q, k_pool, v_pool, block_table, seq_lens, scale)
+
+
+def gather_pages(pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor):
+    """Each sequence's cached rows in order, zeroed past its length. -> ((B, T, Hkv, D), valid (B, T))."""
+    B, M = block_table.shape
+    S = pool.shape[1]
+    # Unused table entries may be -1 or stale: clamp keeps the gather in range, the mask discards them.
+    rows = pool[block_table.clamp(min=0)].flatten(1, 2)                         # (B, T, Hkv, D)
+    valid = torch.arange(M * S, device=pool.device) < seq_lens[:, None]         # (B, T)
+    # Zero, not just mask: a stale page may hold inf/NaN, and 0 * NaN would leak through p @ v.
+    return rows.masked_fill(~valid[:, :, None, None], 0.0), valid
+
+
+def _eager_decode(q, k_pool, v_pool, block_table, seq_lens, scale):
+    B, Hq, D = q.shape
+    Hkv = k_pool.shape[2]
+    k, valid = gather_pages(k_pool, block_table, seq_lens)                      # (B, T, Hkv, D)
+    v, _ = gather_pages(v_pool, block_table, seq_lens)                          # (B, T, Hkv, D)
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, D)                                # (B, Hkv, R, D)
+    scores = torch.einsum("bgrd,btgd->bgrt", qg, k.float()) * scale             # (B, Hkv, R, T)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    # A sequence with no tokens softmaxes over all -inf (NaN); the second mask turns that row into zeros.
+    probs = scores.softmax(-1).masked_fill(~valid[:, None, None, :], 0.0)      # (B, Hkv, R, T)
+    out = torch.einsum("bgrt,btgd->bgrd", probs, v.float())                     # (B, Hkv, R, D)
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+def _sdpa_decode(q, k_pool, v_pool, block_table, seq_lens, scale):
+    B, Hq, D = q.shape
+    Hkv = k_pool.shape[2]
+    k, valid = gather_pages(k_pool, block_table, seq_lens)                      # (B, T, Hkv, D)
+    v, _ = gather_pages(v_pool, block_table, seq_lens)
+    # The R query heads sharing a KV head act as R query rows of one head: plain SDPA, no GQA expansion.
+    qg = q.reshape(B, Hkv, Hq // Hkv, D)                                        # (B, Hkv, R, D)
+    # An empty sequence attends to its (zeroed) slot 0: output 0 rather than NaN from an all-masked row.
+    first = torch.arange(valid.shape[1], device=q.device) == 0                  # (T,)
+    mask = (valid | first)[:, None, None, :]                                    # (B, 1, 1, T)
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         scale=scale)                           # (B, Hkv, R, D)
+    return out.reshape(B, Hq, D)
+
+
+# ----------------------------------------------------------------------------------------------------
+# RoPE on the new token + store of its K/V into the cache.
+# ----------------------------------------------------------------------------------------------------
+
+def rope_store(backend: str, q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
+    """Rotate q and k at `positions`, store rotated k and v at `slots`; returns rotated q (B, Hq, D).
+
+    The triton backend fuses it into one kernel; eager and sdpa use `rope_store_torch`.
+    """
+    _check_backend(backend)
+    if backend == "triton":
+        return torch.ops.minigrpo.rope_store(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
+    return rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
+
+
+def rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
+    """Plain-PyTorch rope + cache store, numerically identical to the model's `apply_rope`.
+
+    q (B, Hq, D), k/v (B, Hkv, D); positions, slots (B,) int32 (slot = page * S + offset, < 0: skip);
+    cos/sin (max_pos, D) fp32 tables. Mutates k_pool and v_pool (P, S, Hkv, D).
+    """
+    check_rope_store_inputs(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
+    # As the model does: fp32 tables cast to the activation dtype, then the rotation in that dtype.
+    c = cos[positions][:, None, :].to(q.dtype)                                  # (B, 1, D)
+    s = sin[positions][:, None, :].to(q.dtype)                                  # (B, 1, D)
+    _store_rows(k_pool, slots, apply_rope(k, c, s))
+    _store_rows(v_pool, slots, v)
+    return apply_rope(q, c, s)                                                  # (B, Hq, D)
+
+
+def _store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """pool.view(P*S, Hkv, D)[slots[b]] = rows[b] wherever slots[b] >= 0, with static shapes.
+
+    A skipped row cannot just drop out (that would be a data-dependent shape), so it re-writes the first
+    real row's slot with that row's own data: duplicate indices then carry identical values, and the
+    scatter stays deterministic. With no real row at all, every row re-writes slot 0 with its current value.
+    """
+    flat = pool.view(-1, *pool.shape[2:])                                       # (P*S, Hkv, D)
+    real = slots >= 0                                                           # (B,)
+    first_real = real.int().argmax()                                            # 0 if none is real
+    src = torch.where(real, torch.arange(len(slots), device=slots.device), first_real)  # (B,) row to write
+    dst = slots[src].long().clamp(min=0)                                        # (B,)
+    values = torch.where(real.any(), rows[src].to(pool.dtype), flat[dst])       # (B, Hkv, D)
+    flat.index_copy_(0, dst, values)

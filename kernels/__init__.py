@@ -7,7 +7,4 @@ CUDA tensors run the compiled kernels; with TRITON_INTERPRET=1 set before triton
 tensors run them under Triton's interpreter (the CPU tests).
 """
 
-from kernels.decode_attention import paged_decode_attention
-from kernels.rope_store import rope_store
-
-__all__ = ["paged_decode_attention", "rope_store"]
+from kernels import decode_attention, rope_store  # noqa: F401  (import registers the ops)

@@ -1,0 +1,236 @@
+"""Decode-attention microbenchmark: the paged Triton kernel against gather + SDPA and dense SDPA.
+
+For each (sequences, context) point and page size, with Qwen2.5-0.5B heads (Hq=14, Hkv=2, D=64, bf16)
+and shuffled pages, times with `triton.testing.do_bench_cudagraph` (median, CUDA-graph replay):
+  dense   F.scaled_dot_product_attention on contiguous K/V (the no-paging lower bound)
+  gather  the `sdpa` backend: gather pages into padded dense K/V, then SDPA with a length mask
+  triton  the paged kernel (`torch.ops.minigrpo.paged_decode_attention`)
+  eager   the readable reference backend (skip with --no-eager)
+and reports microseconds, ratios, and achieved bandwidth (K/V bytes read / time) next to the device's
+copy bandwidth (bytes read + written / time of a large device-to-device copy) measured in the same run.
+It also times the fused rope + cache store against its PyTorch version.
+
+Inputs rotate over enough copies to exceed ~512 MiB, so each call reads K/V from HBM, not from L2.
+A quick correctness check (triton vs gather) runs at every point before timing.
+
+    python bench/attention.py [--page-sizes 16 64] [--out FILE] [--sweep]
+    python bench/attention.py --device cpu --interpret        # tiny smoke run, no GPU (plain timer)
+
+JSON goes to --out, else to $OUT/bench_attention.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Triton reads TRITON_INTERPRET once, when first imported: set it before anything imports it.
+if "--interpret" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import kernels.decode_attention as kda  # noqa: E402
+from minigrpo.attention import decode_attention, rope_store_torch  # noqa: E402
+
+HQ, HKV, D = 14, 2, 64
+# bf16 on the GPU; the CPU smoke run uses fp16 because Triton's interpreter mishandles bf16 loads.
+DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float16}
+GPU_POINTS = [(64, 512), (64, 2048), (256, 512), (256, 2048)]
+CPU_POINTS = [(2, 64), (3, 200)]
+ROTATE_BYTES = 512 << 20
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--interpret", action="store_true", help="run Triton under its CPU interpreter")
+    p.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--points", default=None, help="override, e.g. '64x512,256x2048' (sequences x context)")
+    p.add_argument("--no-eager", action="store_true", help="skip the (slow) eager backend")
+    p.add_argument("--sweep", action="store_true", help="also time other split counts and launch configs")
+    p.add_argument("--rep-ms", type=int, default=100, help="do_bench_cudagraph measurement window")
+    p.add_argument("--out", default=None, help="JSON output path")
+    args = p.parse_args()
+    if args.device == "cpu" and not args.interpret:
+        p.error("--device cpu needs --interpret (Triton kernels only run on the CPU through its interpreter)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device: use --device cpu --interpret for a smoke run")
+    return args
+
+
+def make_timer(device: str, rep_ms: int):
+    """Median microseconds per call: CUDA-graph replay on a GPU, a plain wall clock on the CPU."""
+    if device == "cuda":
+        return lambda fn: triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+
+    def cpu_timer(fn, reps=3):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+    return cpu_timer
+
+
+def rotating(fn, sets):
+    """Call fn on the next input set each time (CUDA-graph capture unrolls calls, so each binds one set)."""
+    it = itertools.cycle(sets)
+    return lambda: fn(*next(it))
+
+
+def copy_bandwidth(device: str, timer) -> float:
+    """GB/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    n = (1 << 30) if device == "cuda" else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    us = timer(lambda: dst.copy_(src))
+    return 2 * n / (us * 1e-6) / 1e9
+
+
+def make_paged_set(B, ctx, S, device, gen):
+    """Full-length sequences on shuffled pages: pools (P, S, Hkv, D), block table (B, M)."""
+    M = math.ceil(ctx / S)
+    P = B * M + 8
+    k_pool = torch.randn(P, S, HKV, D, device=device, generator=gen).to(DTYPE[device])
+    v_pool = torch.randn(P, S, HKV, D, device=device, generator=gen).to(DTYPE[device])
+    block_table = torch.randperm(P, device=device, generator=gen)[:B * M].view(B, M).int()
+    return k_pool, v_pool, block_table
+
+
+def bench_point(B, ctx, S, args, timer, gen):
+    device = args.device
+    kv_bytes = 2 * B * ctx * HKV * D * DTYPE[device].itemsize          # K and V
+    n_sets = 1 if device == "cpu" else max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes)))
+    q = torch.randn(B, HQ, D, device=device, generator=gen).to(DTYPE[device])              # (B, Hq, D)
+    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    paged = [make_paged_set(B, ctx, S, device, gen) for _ in range(n_sets)]
+    dense = [tuple(torch.randn(B, HKV, ctx, D, device=device, generator=gen).to(DTYPE[device])
+                   for _ in range(2)) for _ in range(n_sets)]                              # (B, Hkv, T, D)
+    scale = D ** -0.5
+    q_groups = q.view(B, HKV, HQ // HKV, D)    # the n_rep query heads of a KV head as query rows
+
+    def paged_fn(backend):
+        return lambda kp, vp, bt: decode_attention(backend, q, kp, vp, bt, seq_lens, scale)
+
+    kp, vp, bt = paged[0]
+    check = (paged_fn("triton")(kp, vp, bt).float() - paged_fn("sdpa")(kp, vp, bt).float()).abs().max().item()
+    num_splits = kda.default_config(B, HKV, bt.shape[1] * S, D, q.device).num_splits
+
+    us = {
+        "dense": timer(rotating(lambda k, v: F.scaled_dot_product_attention(q_groups, k, v, scale=scale), dense)),
+        "gather": timer(rotating(paged_fn("sdpa"), paged)),
+        "triton": timer(rotating(paged_fn("triton"), paged)),
+    }
+    if not args.no_eager:
+        us["eager"] = timer(rotating(paged_fn("eager"), paged))
+    row = dict(sequences=B, context=ctx, page_size=S, num_splits=num_splits, kv_mib=kv_bytes / 2**20,
+               input_sets=n_sets, max_abs_err_vs_gather=check, us=us,
+               gbps={k: kv_bytes / (t * 1e-6) / 1e9 for k, t in us.items()},
+               gather_over_triton=us["gather"] / us["triton"], triton_over_dense=us["triton"] / us["dense"])
+    if args.sweep:
+        row["sweep"] = sweep(q, seq_lens, scale, paged, S, timer, num_splits)
+    return row
+
+
+def sweep(q, seq_lens, scale, paged, S, timer, auto_splits):
+    """Microseconds for other split counts and (block_n, num_warps, num_stages); failures are recorded."""
+    base = kda.default_config(q.shape[0], HKV, paged[0][2].shape[1] * S, D, q.device)
+    configs = [kda.LaunchConfig(ns, base.block_n, base.num_warps, base.num_stages) for ns in (1, 2, 4, 8, 16)]
+    configs += [kda.LaunchConfig(auto_splits, bn, w, st)
+                for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+    results = {}
+    for cfg in configs:
+        key = f"splits={cfg.num_splits} block_n={cfg.block_n} warps={cfg.num_warps} stages={cfg.num_stages}"
+        if key in results:
+            continue
+        try:
+            results[key] = timer(rotating(
+                lambda kp, vp, bt, cfg=cfg: kda.launch_paged_decode(q, kp, vp, bt, seq_lens, scale, cfg), paged))
+        except Exception as e:  # a config may not compile (e.g. shared memory): note it, keep sweeping
+            results[key] = f"error: {type(e).__name__}: {str(e)[:200]}"
+    return results
+
+
+def bench_rope_store(B, S, args, timer, gen):
+    device = args.device
+    P = B * 4
+    q = torch.randn(B, HQ, D, device=device, generator=gen).to(DTYPE[device])
+    k, v = (torch.randn(B, HKV, D, device=device, generator=gen).to(DTYPE[device]) for _ in range(2))
+    pools = [torch.zeros(P, S, HKV, D, device=device, dtype=DTYPE[device]) for _ in range(2)]
+    positions = torch.randint(0, 4096, (B,), device=device, dtype=torch.int32, generator=gen)
+    slots = torch.randperm(P * S, device=device, generator=gen)[:B].int()
+    cos, sin = (torch.rand(4096, D, device=device, generator=gen) for _ in range(2))
+    args_ = (q, k, v, *pools, positions, slots, cos, sin)
+    us = {"triton": timer(lambda: torch.ops.minigrpo.rope_store(*args_)),
+          "torch": timer(lambda: rope_store_torch(*args_))}
+    return dict(sequences=B, us=us, torch_over_triton=us["torch"] / us["triton"])
+
+
+def print_tables(result):
+    cols = ["dense", "gather", "triton"] + (["eager"] if "eager" in result["points"][0]["us"] else [])
+    print(f"\ncopy bandwidth: {result['copy_gbps']:.0f} GB/s (read + write)   device: {result['device']}")
+    head = (f"{'seqs':>5} {'ctx':>5} {'page':>4} {'splits':>6} " + " ".join(f"{c + ' us':>10}" for c in cols)
+            + f" {'gath/tri':>8} {'tri/dense':>9} {'tri GB/s':>9} {'%copy':>6} {'maxerr':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in result["points"]:
+        print(f"{r['sequences']:>5} {r['context']:>5} {r['page_size']:>4} {r['num_splits']:>6} "
+              + " ".join(f"{r['us'][c]:>10.1f}" for c in cols)
+              + f" {r['gather_over_triton']:>8.2f} {r['triton_over_dense']:>9.2f} {r['gbps']['triton']:>9.0f}"
+              + f" {100 * r['gbps']['triton'] / result['copy_gbps']:>5.0f}% {r['max_abs_err_vs_gather']:>8.1e}")
+        for key, t in sorted(r.get("sweep", {}).items(), key=lambda kv: (isinstance(kv[1], str), kv[1])):
+            print(f"{'':>22}sweep {key:<48} " + (f"{t:>10.1f} us" if not isinstance(t, str) else t))
+    print(f"\n{'rope+store seqs':>15} {'triton us':>10} {'torch us':>10} {'torch/triton':>12}")
+    for r in result["rope_store"]:
+        print(f"{r['sequences']:>15} {r['us']['triton']:>10.1f} {r['us']['torch']:>10.1f} "
+              f"{r['torch_over_triton']:>12.2f}")
+
+
+def main():
+    args = parse_args()
+    device = args.device
+    timer = make_timer(device, args.rep_ms)
+    gen = torch.Generator(device=device).manual_seed(0)
+    if args.points:
+        points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
+    else:
+        points = GPU_POINTS if device == "cuda" else CPU_POINTS
+    result = dict(
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu (triton interpreter)",
+        torch=torch.__version__, triton=triton.__version__, heads=dict(q=HQ, kv=HKV, head_dim=D),
+        dtype=str(DTYPE[device]), copy_gbps=copy_bandwidth(device, timer), points=[], rope_store=[],
+    )
+    for S in args.page_sizes:
+        for B, ctx in points:
+            row = bench_point(B, ctx, S, args, timer, gen)
+            result["points"].append(row)
+            print(f"done: {B} x {ctx}, page {S}: triton {row['us']['triton']:.1f} us", flush=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    for B in sorted({b for b, _ in points}):
+        result["rope_store"].append(bench_rope_store(B, args.page_sizes[0], args, timer, gen))
+    print_tables(result)
+
+    out = args.out or (os.path.join(os.environ["OUT"], "bench_attention.json") if os.environ.get("OUT") else None)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

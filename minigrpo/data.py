@@ -1,0 +1,46 @@
+"""Prompt order: an endless stream of example indices, a fresh seeded permutation every epoch.
+
+The order is a pure function of (seed, epoch), so the sampler's whole state is (epoch, position): saving
+those two numbers is enough to resume mid-epoch on exactly the prompt the interrupted run would have used.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_STREAM = 0x5EED_DA7A  # keeps this stream of random numbers apart from other (seed, ...) users
+
+
+class EpochSampler:
+    def __init__(self, num_examples: int, seed: int):
+        if num_examples < 1:
+            raise ValueError(f"the training set is empty (num_examples={num_examples})")
+        self.num_examples, self.seed = num_examples, seed
+        self.epoch, self.pos = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        return np.random.default_rng([self.seed, _STREAM, epoch]).permutation(self.num_examples).tolist()
+
+    def next(self, k: int) -> list[int]:
+        """The next k example indices (crossing into the next epoch, and its new order, when needed)."""
+        out = []
+        while len(out) < k:
+            if self.pos == self.num_examples:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            take = min(k - len(out), self.num_examples - self.pos)
+            out += self._order[self.pos:self.pos + take]
+            self.pos += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"num_examples": self.num_examples, "seed": self.seed, "epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["num_examples"], state["seed"]) != (self.num_examples, self.seed):
+            raise ValueError(f"cannot resume the data order: the checkpoint was taken on {state['num_examples']} "
+                             f"examples with seed {state['seed']}, this run has {self.num_examples} examples with "
+                             f"seed {self.seed}; resume with the same training data and --seed")
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._permutation(self.epoch)

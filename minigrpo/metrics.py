@@ -1,0 +1,100 @@
+"""Metric logging: one readable stdout line per step, `metrics.jsonl` (one JSON object per step), optional
+TensorBoard, and `samples.jsonl` (a few decoded completions now and then, to read what the policy does).
+
+jsonl is the source of truth: append-only, flushed every step, trivially loaded with pandas. On resume,
+records past the resumed step (written by the interrupted run after its last checkpoint) are dropped,
+so the file reads as one uninterrupted run.
+
+Step record keys (rollout statistics are over all B*G completions; entropy and logp_diff only over the
+rows that were trained on, since zero-advantage groups get no forward pass):
+  reward_mean/std, accuracy (exactly correct), zero_spread_frac (rows in groups with all-equal rewards),
+  completion_len_mean/max, truncated_frac (no stop token within max_new_tokens), trained_rows,
+  loss (per optimizer step, mean), clip_frac (tokens where the PPO clip bound), kl (k3 to the reference;
+  only with kl_beta > 0), entropy (per token, at the sampling temperature), grad_norm (pre-clip, mean over
+  optimizer steps), logp_diff_mean/max (|rollout engine log-prob - trainer log-prob| of the sampled tokens:
+  numerical mismatch between engine and trainer; with top_p < 1 it also holds the truncation of the
+  sampling distribution), lr, time_{rollout,reward,logprobs,update,sync,step} (seconds),
+  rollout_tokens_per_s and tokens_per_s (completion tokens / rollout time, / step time), peak_mem_gb
+  (CUDA; 0 on CPU), skipped_update (only when no group had any reward spread), eval_* (evaluation steps).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+# (key, label, format) of what the stdout line shows, in order; keys missing from a record are skipped.
+_LINE = [
+    ("reward_mean", "reward", "{:.3f}"), ("accuracy", "acc", "{:.3f}"), ("zero_spread_frac", "flat", "{:.2f}"),
+    ("completion_len_mean", "len", "{:.0f}"), ("truncated_frac", "trunc", "{:.2f}"), ("loss", "loss", "{:+.4f}"),
+    ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"),
+    ("grad_norm", "gnorm", "{:.3f}"), ("logp_diff_max", "dlogp", "{:.1e}"), ("lr", "lr", "{:.1e}"),
+    ("tokens_per_s", "tok/s", "{:.0f}"), ("time_rollout", "roll", "{:.2f}s"), ("time_logprobs", "lp", "{:.2f}s"),
+    ("time_update", "upd", "{:.2f}s"), ("time_sync", "sync", "{:.3f}s"), ("peak_mem_gb", "mem", "{:.1f}G"),
+    ("eval_accuracy", "EVAL acc", "{:.4f}"),
+]
+
+
+def format_line(record: dict) -> str:
+    parts = [f"step {record['step']}"]
+    if record.get("skipped_update"):
+        parts.append("(no update: every group had zero advantage)")
+    for key, label, fmt in _LINE:
+        if record.get(key) is not None:
+            parts.append(f"{label} {fmt.format(record[key])}")
+    return " | ".join(parts)
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    if not path.is_file():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    path.write_text("".join(ln + "\n" for ln in lines))
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str | Path, *, tensorboard: bool = False, resume_step: int | None = None,
+                 echo: bool = True):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path, self.samples_path = self.out_dir / "metrics.jsonl", self.out_dir / "samples.jsonl"
+        if resume_step is None:  # a fresh run starts fresh files
+            for p in (self.metrics_path, self.samples_path):
+                p.unlink(missing_ok=True)
+        else:
+            for p in (self.metrics_path, self.samples_path):
+                _truncate_after(p, resume_step)
+        self.echo = echo
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError("--tensorboard needs the tensorboard package: `pip install tensorboard` "
+                                   "(or `pip install minigrpo[tensorboard]`), or drop the flag; "
+                                   "metrics.jsonl is written either way") from None
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"),
+                                     purge_step=None if resume_step is None else resume_step + 1)
+
+    def log(self, record: dict) -> None:
+        """Write one step's record (a flat dict of numbers with a 'step' key) everywhere."""
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.echo:
+            tqdm.write(format_line(record))  # plays well with an active progress bar
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, record["step"])
+            self._tb.flush()
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        with self.samples_path.open("a") as f:
+            for s in samples:
+                f.write(json.dumps({"step": step, **s}) + "\n")
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,92 @@
+"""Rollout backends: what generates the completions the trainer learns from.
+
+The trainer talks to a backend through two calls, the same ones `minigrpo.engine.Engine` exposes:
+
+    generate(prompts, samples_per_prompt, max_new_tokens, params, stop_ids, seeds) -> Rollout
+    load_weights(model)      # copy the policy's current weights into the backend (the "weight sync")
+
+`seeds` holds one seed per completion (len(prompts) * samples_per_prompt), group-major like the result:
+with counter-based sampling a completion is a pure function of (weights, prompt, seed), so a rollout is
+reproducible whatever the batch composition, and an exact resume needs no sampler state.
+
+`ReferenceBackend` runs `minigrpo.generate.generate` on the policy module itself: no KV cache, slow and
+obviously correct, the CPU backend. Since it *is* the policy, there is nothing to sync. The fast engine
+(`--attn eager|sdpa|triton`) keeps its own bf16 copy of the weights, refreshed after every update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import torch
+
+from minigrpo.generate import Rollout, generate
+from minigrpo.model import Qwen2ForCausalLM
+from minigrpo.sampling import SamplingParams
+
+ATTN_BACKENDS = ("reference", "eager", "sdpa", "triton")
+
+
+class RolloutBackend(Protocol):
+    def generate(self, prompts: list[list[int]], samples_per_prompt: int, max_new_tokens: int,
+                 params: SamplingParams, stop_ids: tuple[int, ...], seeds: list[int]) -> Rollout: ...
+
+    def load_weights(self, model: Qwen2ForCausalLM) -> None: ...
+
+
+class ReferenceBackend:
+    """Reference generation with the policy module itself (eval mode, no grad; bf16 autocast on CUDA)."""
+
+    def __init__(self, model: Qwen2ForCausalLM, pad_id: int):
+        self.model = model
+        self.pad_id = pad_id
+
+    def generate(self, prompts, samples_per_prompt, max_new_tokens, params, stop_ids, seeds) -> Rollout:
+        expanded = [p for p in prompts for _ in range(samples_per_prompt)]  # group-major
+        if len(seeds) != len(expanded):
+            raise ValueError(f"need one seed per completion ({len(expanded)} = {len(prompts)} prompts x "
+                             f"{samples_per_prompt} samples), got {len(seeds)}")
+        device = next(self.model.parameters()).device
+        amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+               else contextlib.nullcontext())
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with amp:
+                return generate(self.model, expanded, max_new_tokens, params=params, stop_ids=tuple(stop_ids),
+                                pad_id=self.pad_id, seeds=list(seeds))
+        finally:
+            self.model.train(was_training)
+
+    def load_weights(self, model: Qwen2ForCausalLM) -> None:
+        if model is not self.model:
+            raise ValueError("ReferenceBackend generates with the policy module it was built with; "
+                             "load_weights got a different module")
+
+
+def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: str = "none",
+                 cuda_graphs: bool | None = None, max_seq_len: int | None = None) -> RolloutBackend:
+    """The rollout backend for `--attn`: the reference generator, or the fast engine with that attention.
+
+    The engine holds bf16 weights on CUDA and fp32 on the CPU (where bf16 is slow and its rounding would
+    hide real mismatches); cuda_graphs defaults to on for CUDA. max_seq_len (longest prompt + completion)
+    sizes the engine's block tables; None keeps the engine's default.
+    """
+    if attn not in ATTN_BACKENDS:
+        raise ValueError(f"unknown attention backend {attn!r}; choose one of {ATTN_BACKENDS}")
+    if attn == "reference":
+        return ReferenceBackend(model, pad_id)
+    try:  # imported here so the trainer runs (with --attn reference) wherever the engine cannot
+        from minigrpo.engine import Engine, EngineConfig
+    except ImportError as e:
+        raise RuntimeError(f"--attn {attn} needs the fast engine (minigrpo/engine.py), which failed to import "
+                           f"({e}); use --attn reference") from None
+    device = next(model.parameters()).device
+    on_cuda = device.type == "cuda"
+    extra = {"max_seq_len": max_seq_len} if max_seq_len is not None else {}
+    cfg = EngineConfig(attn=attn, compile=compile, cuda_graphs=on_cuda if cuda_graphs is None else cuda_graphs,
+                       **extra)
+    engine = Engine(model.config, cfg, device=device, dtype=torch.bfloat16 if on_cuda else torch.float32)
+    engine.load_weights(model)
+    return engine

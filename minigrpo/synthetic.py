@@ -1,0 +1,95 @@
+"""An offline, verifiable toy task, its tiny tokenizer and a tiny random policy: RL on CPU in a minute.
+
+The task: the prompt is a few random digits followed by "=", e.g. "4071=". The answer is the FIRST digit,
+then the end-of-sequence token: "4<eos>". Reward 1.0 for exactly that, 0.5 for the right digit without
+stopping right after it, 0 otherwise (the partial credit gives a random policy, which is right ~1/13 of
+the time, enough signal in every batch; `correct` counts only exact answers).
+
+Why the first digit and not the last: the prompt always ends with "=", and a tied-embedding random model
+already tends to repeat its last input token, so a task rewarding that would be learned before training
+starts. Retrieving position 0 from the "=" position has to be learned by attention. The policy here is
+untied anyway, so it starts near uniform.
+
+`CharTokenizer` duck-types what the trainer uses of `minigrpo.tokenizer.Tokenizer`: encode, decode,
+stop_ids, pad_id, eos_id, vocab_size.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from minigrpo.config import ModelConfig
+from minigrpo.model import Qwen2ForCausalLM, init_weights
+
+EOS, PAD = "<eos>", "<pad>"
+
+
+class CharTokenizer:
+    """One token per character of "0123456789=", plus <eos> (the stop token) and <pad>."""
+
+    def __init__(self, alphabet: str = "0123456789="):
+        self.tokens = list(alphabet) + [EOS, PAD]
+        self._ids = {t: i for i, t in enumerate(self.tokens)}
+        self.eos_id, self.pad_id = self._ids[EOS], self._ids[PAD]
+        self.stop_ids = (self.eos_id,)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, text: str) -> list[int]:
+        bad = sorted(set(text) - set(self._ids))
+        if bad:
+            raise ValueError(f"characters {bad} are not in the synthetic vocabulary {self.tokens[:-2]}")
+        return [self._ids[c] for c in text]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else ids
+        special = {self.eos_id, self.pad_id}
+        return "".join(self.tokens[i] for i in ids
+                       if 0 <= i < len(self.tokens) and not (skip_special_tokens and i in special))
+
+
+class FirstDigitTask:
+    """`num_examples` random digit strings of length `num_digits`; answer = the first digit (see module doc)."""
+
+    def __init__(self, tokenizer: CharTokenizer, num_examples: int, seed: int, num_digits: int = 4):
+        if num_digits < 2:
+            raise ValueError(f"num_digits must be >= 2 (with one digit the answer is the last digit), got {num_digits}")
+        self.tokenizer = tokenizer
+        rng = np.random.default_rng([seed, num_digits])
+        self.digits = ["".join(map(str, row)) for row in rng.integers(0, 10, size=(num_examples, num_digits))]
+
+    def __len__(self) -> int:
+        return len(self.digits)
+
+    def prompt(self, i: int) -> list[int]:
+        return self.tokenizer.encode(self.digits[i] + "=")
+
+    def score(self, i: int, completion_ids: Sequence[int]) -> tuple[float, bool]:
+        target = self.tokenizer.encode(self.digits[i][0])[0]
+        completion = list(completion_ids)
+        if completion[:1] != [target]:
+            return 0.0, False
+        exact = completion == [target, self.tokenizer.eos_id]
+        return (1.0, True) if exact else (0.5, False)
+
+    def describe(self, i: int) -> dict:
+        return {"question": self.digits[i] + "=", "ground_truth": self.digits[i][0]}
+
+
+def tiny_config(vocab_size: int) -> ModelConfig:
+    """2 layers, width 64, untied embeddings: a few hundred thousand parameters."""
+    return ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0,
+                       max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def tiny_policy(vocab_size: int, seed: int, device: str | torch.device = "cpu") -> Qwen2ForCausalLM:
+    """A randomly initialised fp32 policy for the synthetic task, reproducible from `seed`."""
+    model = Qwen2ForCausalLM(tiny_config(vocab_size))
+    init_weights(model, torch.Generator().manual_seed(seed), std=0.02)
+    return model.to(device)

@@ -1,0 +1,373 @@
+"""The Dr. GRPO training loop: rollout -> reward -> advantages -> clipped policy-gradient updates.
+
+One step (`Trainer.step`):
+  1. rollout   B prompts x G samples from the rollout backend, at the sampling temperature / top-p
+  2. reward    task.score per completion; A = r - mean of its group (no std division: Dr. GRPO, grpo.py)
+  3. filter    a group whose advantages are all zero has no gradient: its rows are dropped before any
+               forward; if no group is left the update is skipped (and logged as such)
+  4. logprobs  old log-probs (the policy before this step's updates) once, without grad; reference
+               log-probs from a frozen copy of the initial policy only when kl_beta > 0
+  5. update    K epochs over shuffled minibatches of the B*G rows; each minibatch is one AdamW step on the
+               clipped surrogate (+ beta * k3 KL), normalised as token-sum / (minibatch rows x max_new_tokens)
+               and accumulated over micro-batches (memory only). Dropped rows still count in the normaliser,
+               so dropping them is a pure saving: the gradient is exactly the full minibatch's.
+  6. sync      the backend's weights are refreshed from the policy (`load_weights`), timed
+The LR (linear warmup, then constant or cosine) is a function of the step number: no scheduler state.
+All randomness is derived from (seed, step, ...) on the spot, never from a global generator, so a
+resumed run reproduces an uninterrupted one.
+
+Precision: fp32 master weights and AdamW state. On CUDA the policy forward runs under bf16 autocast
+(tensor cores) and the LM head in bf16 with fp32 softmax (sequences.completion_logprobs); on CPU, fp32.
+
+Shape legend: B prompts per step, G samples per prompt, N = B*G rows, n kept rows, C completion length.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from minigrpo.data import EpochSampler
+from minigrpo.evaluate import evaluate
+from minigrpo.grpo import dr_grpo_loss, group_advantages, nonzero_groups
+from minigrpo.metrics import MetricsLogger
+from minigrpo.sampling import SamplingParams
+from minigrpo.sequences import SequenceBatch, completion_logprobs, pad_rows
+from minigrpo.train_state import load_checkpoint, save_checkpoint
+
+_ROLLOUT, _SHUFFLE = 0x5A3D, 0x5AFF  # stream tags for (seed, tag, step, ...) derivation
+
+
+@dataclass
+class TrainConfig:
+    prompts_per_step: int = 32        # B
+    samples_per_prompt: int = 8       # G
+    max_new_tokens: int = 512         # L: generation budget, and the Dr. GRPO loss normaliser
+    inner_epochs: int = 1             # K: passes over each rollout batch (1 = on-policy)
+    minibatch_size: int = 0           # rows per optimizer step; 0 = all B*G rows (one step per epoch)
+    micro_batch_size: int = 16        # rows per forward/backward (gradient accumulation: memory only)
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0        # 0 = no clipping (the norm is logged either way)
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"     # after warmup: "constant" or "cosine" (to min_lr_ratio * lr)
+    min_lr_ratio: float = 0.0
+    eps: float = 0.2                  # clip range [1 - eps, 1 + eps_high]
+    eps_high: float | None = None     # None = eps (symmetric); DAPO's clip-higher uses e.g. 0.28
+    kl_beta: float = 0.0              # Dr. GRPO drops the KL term: 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    steps: int = 200
+    eval_every: int = 25              # 0 = never (also skips the evaluation before training)
+    eval_limit: int | None = None     # evaluate on the first N eval examples; None = all
+    eval_batch_size: int = 128
+    eval_max_new_tokens: int | None = None  # None = max_new_tokens
+    save_every: int = 50              # 0 = only at the end
+    keep_checkpoints: int = 2         # 0 = keep all
+    sample_every: int = 10            # write a few decoded completions to samples.jsonl; 0 = never
+    num_samples: int = 4
+    seed: int = 0
+    logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: chunk x vocab x 4 bytes)
+
+    def __post_init__(self):
+        self.betas = tuple(self.betas)
+        positive = ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "inner_epochs",
+                    "micro_batch_size", "steps", "eval_batch_size", "logprob_chunk_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("minibatch_size", "warmup_steps", "eval_every", "save_every", "keep_checkpoints",
+                     "sample_every", "num_samples"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        rows = self.prompts_per_step * self.samples_per_prompt
+        if self.minibatch_size and rows % self.minibatch_size:
+            raise ValueError(f"minibatch_size {self.minibatch_size} must divide the B*G = {rows} rows of a step")
+        if self.samples_per_prompt < 2:
+            raise ValueError("samples_per_prompt must be >= 2: a group of one always has zero advantage")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        if not 0.0 < self.temperature:
+            raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature}")
+        SamplingParams(temperature=self.temperature, top_p=self.top_p)  # validates top_p
+        if not 0.0 < self.eps < 1.0 or (self.eps_high is not None and self.eps_high <= 0):
+            raise ValueError(f"need 0 < eps < 1 and eps_high > 0, got eps={self.eps}, eps_high={self.eps_high}")
+        if self.kl_beta < 0 or self.weight_decay < 0 or self.max_grad_norm < 0 or self.lr <= 0:
+            raise ValueError("lr must be > 0 and kl_beta, weight_decay, max_grad_norm >= 0")
+
+
+# Settings that may change when resuming: they do not alter the training trajectory.
+RESUMABLE_CHANGES = {"steps", "eval_every", "eval_limit", "eval_batch_size", "eval_max_new_tokens",
+                     "save_every", "keep_checkpoints", "sample_every", "num_samples"}
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """LR multiplier for the step-th update (0-based): linear warmup, then constant or cosine decay."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def derive_seeds(seed: int, tag: int, step: int, n: int) -> list[int]:
+    """n distinct-in-practice int64 seeds, a pure function of (seed, tag, step)."""
+    state = np.random.SeedSequence([seed, tag, step]).generate_state(n, dtype=np.uint64)
+    return (state >> np.uint64(1)).astype(np.int64).tolist()
+
+
+class _PhaseTimer:
+    """Wall time per phase; synchronises CUDA first so that a phase is charged for its own kernels."""
+
+    def __init__(self, device: torch.device, phases: tuple[str, ...]):
+        self.device, self.times = device, dict.fromkeys(phases, 0.0)  # phases not reached stay at 0
+        self._sync()
+        self.start = self.last = time.perf_counter()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def lap(self, phase: str) -> None:
+        self._sync()
+        now = time.perf_counter()
+        self.times[phase], self.last = now - self.last, now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, model, tokenizer, task, backend, out_dir: str | Path, *,
+                 eval_task=None, tokenizer_dir: str | Path | None = None, tensorboard: bool = False,
+                 echo: bool = True):
+        bad = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32"})
+        if bad:
+            raise ValueError(f"the policy must hold fp32 master weights, found {bad}; load it with "
+                             f"dtype=torch.float32 (bf16 is used through autocast on CUDA)")
+        self.cfg, self.model, self.tokenizer, self.task, self.backend = cfg, model, tokenizer, task, backend
+        self.eval_task, self.tokenizer_dir = eval_task, tokenizer_dir
+        self.out_dir, self.tensorboard, self.echo = Path(out_dir), tensorboard, echo
+        self.device = next(model.parameters()).device
+        self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+        self.stop_ids, self.pad_id = tuple(tokenizer.stop_ids), tokenizer.pad_id
+        self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
+        # The KL anchor is the policy as it is now, before any update (also when resuming: see resume()).
+        self.ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.kl_beta > 0 else None
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay, fused=self.device.type == "cuda")
+        self.sampler = EpochSampler(len(task), cfg.seed)
+        self.step_idx = 0
+        self.last_rollout: dict | None = None  # the latest step's prompts, completions and rewards
+
+    # ------------------------------------------------------------------------------------------- one step
+
+    def step(self) -> dict:
+        cfg, dev = self.cfg, self.device
+        B, G, L = cfg.prompts_per_step, cfg.samples_per_prompt, cfg.max_new_tokens
+        N = B * G
+        self.step_idx += 1
+        self.model.train()
+        lr = cfg.lr * lr_factor(self.step_idx - 1, cfg)  # a pure function of the step: no scheduler state
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        timer = _PhaseTimer(dev, ("rollout", "reward", "logprobs", "update", "sync"))
+
+        examples = self.sampler.next(B)
+        prompts = [self.task.prompt(i) for i in examples]
+        rollout = self.backend.generate(prompts, G, L, self.params, self.stop_ids,
+                                        derive_seeds(cfg.seed, _ROLLOUT, self.step_idx, N))
+        if len(rollout.tokens) != N:
+            raise RuntimeError(f"rollout backend returned {len(rollout.tokens)} completions, expected {N}")
+        timer.lap("rollout")
+
+        scores = [self.task.score(examples[r // G], c) for r, c in enumerate(rollout.tokens)]
+        rewards = torch.tensor([s[0] for s in scores], dtype=torch.float32)              # (N,)
+        adv = group_advantages(rewards, G)                                               # (N,)
+        keep = nonzero_groups(adv, G)                                                    # (N,)
+        kept = keep.nonzero().squeeze(1).tolist()
+        self.last_rollout = {"examples": examples, "completions": rollout.tokens, "rewards": rewards.tolist()}
+        lens = [len(c) for c in rollout.tokens]
+        m = {"step": self.step_idx, "reward_mean": rewards.mean().item(), "reward_std": rewards.std(0).item(),
+             "accuracy": sum(s[1] for s in scores) / N, "zero_spread_frac": 1.0 - keep.float().mean().item(),
+             "completion_len_mean": sum(lens) / N, "completion_len_max": max(lens),
+             "truncated_frac": sum(not set(c) & set(self.stop_ids) for c in rollout.tokens) / N,
+             "trained_rows": len(kept), "lr": lr}
+        timer.lap("reward")
+
+        if kept:
+            batch = SequenceBatch.build([prompts[r // G] for r in kept], [rollout.tokens[r] for r in kept],
+                                        pad_id=self.pad_id, stop_ids=self.stop_ids, device=dev)
+            old_logp, entropy = self._score(self.model, batch, return_entropy=True)      # (n, C) each
+            ref_logp = self._score(self.ref, batch)[0] if self.ref is not None else None
+            sampled = pad_rows([rollout.logprobs[r] for r in kept], batch.C, dev)        # (n, C)
+            diff = (sampled - old_logp).abs() * batch.mask
+            tokens = batch.mask.sum()
+            m.update(entropy=((entropy * batch.mask).sum() / tokens).item(),
+                     logp_diff_mean=(diff.sum() / tokens).item(), logp_diff_max=diff.max().item())
+            timer.lap("logprobs")
+            m.update(self._update(batch, old_logp, ref_logp, adv[kept].to(dev), kept))
+            timer.lap("update")
+            self.backend.load_weights(self.model)
+            timer.lap("sync")
+        else:
+            m["skipped_update"] = True
+
+        m.update({f"time_{k}": v for k, v in timer.times.items()}, time_step=timer.total)
+        m.update(rollout_tokens_per_s=sum(lens) / max(timer.times["rollout"], 1e-9),
+                 tokens_per_s=sum(lens) / max(timer.total, 1e-9),
+                 peak_mem_gb=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0)
+        return m
+
+    @torch.no_grad()
+    def _score(self, model, batch: SequenceBatch, return_entropy: bool = False):
+        """Log-probs (and entropy) of every row of `batch` under `model`, micro-batched, no grad. (n, C) each."""
+        n, C = len(batch.prompt_lens), batch.C
+        logp = torch.zeros((n, C), dtype=torch.float32, device=self.device)
+        entropy = torch.zeros((n, C), dtype=torch.float32, device=self.device) if return_entropy else None
+        for s in range(0, n, self.cfg.micro_batch_size):
+            rows = list(range(s, min(s + self.cfg.micro_batch_size, n)))
+            mb = batch.select(rows)
+            out = self._logprobs(model, mb, return_entropy)
+            lp, ent = out if return_entropy else (out, None)
+            logp[s:s + len(rows), :mb.C] = lp
+            if return_entropy:
+                entropy[s:s + len(rows), :mb.C] = ent
+        return logp, entropy
+
+    def _logprobs(self, model, batch: SequenceBatch, return_entropy: bool = False):
+        return completion_logprobs(model, batch, temperature=self.cfg.temperature,
+                                   chunk_size=self.cfg.logprob_chunk_size, amp_dtype=self.amp_dtype,
+                                   return_entropy=return_entropy)
+
+    def _update(self, batch, old_logp, ref_logp, adv, kept: list[int]) -> dict:
+        """K epochs of minibatch AdamW steps over the kept rows. adv (n,), old/ref_logp (n, C)."""
+        cfg = self.cfg
+        N = cfg.prompts_per_step * cfg.samples_per_prompt
+        M = cfg.minibatch_size or N
+        row_of = {r: j for j, r in enumerate(kept)}  # rollout row -> row of `batch`
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        zero = torch.zeros((), device=self.device)
+        loss_sum, clip_sum, kl_sum, tok_sum = zero.clone(), zero.clone(), zero.clone(), zero.clone()
+        norms, skipped_nonfinite = [], 0
+        for epoch in range(cfg.inner_epochs):
+            order = np.random.default_rng([cfg.seed, _SHUFFLE, self.step_idx, epoch]).permutation(N).tolist()
+            for start in range(0, N, M):
+                rows = [row_of[r] for r in order[start:start + M] if r in row_of]
+                if not rows:  # every row of this minibatch is in a zero-advantage group: nothing to learn
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                for u in range(0, len(rows), cfg.micro_batch_size):
+                    sub = rows[u:u + cfg.micro_batch_size]
+                    mb = batch.select(sub)
+                    idx = torch.tensor(sub, device=self.device)
+                    logp = self._logprobs(self.model, mb)                                # (m, C')
+                    loss, stats = dr_grpo_loss(
+                        logp, old_logp[idx, :mb.C], adv[idx], mb.mask, eps_low=cfg.eps, eps_high=cfg.eps_high,
+                        ref_logp=ref_logp[idx, :mb.C] if ref_logp is not None else None, beta=cfg.kl_beta,
+                        max_new_tokens=cfg.max_new_tokens, num_sequences=M)
+                    loss.backward()
+                    ntok = mb.mask.sum()
+                    loss_sum += loss.detach()
+                    clip_sum += stats["clip_frac"] * ntok
+                    kl_sum += stats["kl"] * ntok
+                    tok_sum += ntok
+                norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
+                if torch.isfinite(norm):
+                    self.optimizer.step()
+                    norms.append(norm)
+                else:  # one bad batch must not poison the weights: drop its gradient
+                    skipped_nonfinite += 1
+                self.optimizer.zero_grad(set_to_none=True)
+        n_steps = max(1, len(norms) + skipped_nonfinite)
+        out = {"loss": (loss_sum / n_steps).item(), "clip_frac": (clip_sum / tok_sum.clamp(min=1)).item(),
+               "grad_norm": torch.stack(norms).mean().item() if norms else None,
+               "optimizer_steps": len(norms)}
+        if skipped_nonfinite:
+            out["nonfinite_grad_steps"] = skipped_nonfinite
+        if ref_logp is not None:
+            out["kl"] = (kl_sum / tok_sum.clamp(min=1)).item()
+        return out
+
+    # ------------------------------------------------------------------------------------------- the loop
+
+    def evaluate(self) -> dict:
+        cfg = self.cfg
+        res = evaluate(self.backend, self.eval_task, stop_ids=self.stop_ids, limit=cfg.eval_limit,
+                       max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.eval_batch_size)
+        return {f"eval_{k}": v for k, v in res.items() if k != "records"}
+
+    def run(self) -> list[dict]:
+        """Train until cfg.steps, logging, evaluating and checkpointing on schedule. Returns the step records."""
+        cfg = self.cfg
+        logger = MetricsLogger(self.out_dir, tensorboard=self.tensorboard, echo=self.echo,
+                               resume_step=self.step_idx if self.step_idx else None)
+        history = []
+        try:
+            if self.eval_task is not None and cfg.eval_every and self.step_idx == 0:
+                logger.log({"step": 0, **self.evaluate()})
+            bar = tqdm(total=cfg.steps, initial=self.step_idx, desc="train", unit="step", disable=None)
+            while self.step_idx < cfg.steps:
+                m = self.step()
+                done = self.step_idx == cfg.steps
+                if self.eval_task is not None and cfg.eval_every and (self.step_idx % cfg.eval_every == 0 or done):
+                    m.update(self.evaluate())
+                if cfg.sample_every and self.step_idx % cfg.sample_every == 0:
+                    logger.log_samples(self.step_idx, self._samples())
+                logger.log(m)
+                history.append(m)
+                if (cfg.save_every and self.step_idx % cfg.save_every == 0) or done:
+                    self.save()
+                bar.set_postfix(reward=f"{m['reward_mean']:.3f}")
+                bar.update()
+            bar.close()
+        finally:
+            logger.close()
+        return history
+
+    def _samples(self) -> list[dict]:
+        r, G = self.last_rollout, self.cfg.samples_per_prompt
+        out = []
+        for j in range(min(self.cfg.num_samples, len(r["completions"]))):
+            row = j * G  # the first sample of each of the first prompts
+            ex = r["examples"][row // G]
+            text = self.tokenizer.decode(r["completions"][row], skip_special_tokens=False)  # show the stop
+            out.append({**self.task.describe(ex), "completion": text, "reward": r["rewards"][row]})
+        return out
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+
+    def save(self) -> Path:
+        state = {"config": asdict(self.cfg), "optimizer": self.optimizer.state_dict(),
+                 "sampler": self.sampler.state_dict()}
+        return save_checkpoint(self.out_dir / "checkpoints", self.step_idx, self.model, state,
+                               tokenizer_dir=self.tokenizer_dir, keep=self.cfg.keep_checkpoints)
+
+    def resume(self, path: str | Path) -> None:
+        """Continue from a checkpoint (its directory, or a run directory: the newest one there)."""
+        state = load_checkpoint(path, self.model, self.device)
+        saved = state["config"]
+        changed = {f.name: (saved.get(f.name), getattr(self.cfg, f.name)) for f in fields(self.cfg)
+                   if f.name not in RESUMABLE_CHANGES and saved.get(f.name) != getattr(self.cfg, f.name)}
+        if self.cfg.lr_schedule == "cosine" and saved.get("steps") != self.cfg.steps:
+            changed["steps (sets the cosine schedule)"] = (saved.get("steps"), self.cfg.steps)
+        if changed:
+            diffs = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
+            raise ValueError(f"cannot resume exactly: settings differ from the checkpoint's ({diffs}); "
+                             f"rerun with the original values")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step_idx = state["step"]
+        self.backend.load_weights(self.model)

@@ -1,0 +1,280 @@
+"""Triton kernels (paged decode attention, fused rope + store) against the PyTorch backends.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, exact for fp32/fp16) at
+tiny shapes; with one, the same tests run on CUDA and the `gpu` tests add bf16 accuracy at the real
+model's shapes, torch.compile / CUDA-graph capture, and a check that compiling never copies the KV pool.
+Every buffer the kernels allocate is NaN-filled first (see `nan_filled_empty`), and every pool byte that
+holds no valid token is NaN (see `make_paged_kv`), so an unwritten output or a stray read shows up.
+"""
+
+import os
+
+import torch
+
+# Triton reads TRITON_INTERPRET once, at its first import (torch._dynamo imports it), so set it first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import contextlib  # noqa: E402
+import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+import kernels.decode_attention as kda  # noqa: E402
+from minigrpo.attention import decode_attention, rope_store  # noqa: E402
+from test_attention import make_paged_kv, make_rope_inputs  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# False when something imported triton before the flag above was set (e.g. `pytest other_test.py
+# tests/test_kernels.py`): the kernels cannot run on the CPU in this process, so the file reruns itself.
+RUNS_HERE = DEVICE == "cuda" or kda.INTERPRETED
+
+
+@pytest.fixture(autouse=True)
+def _needs_runnable_kernels(request):
+    if not RUNS_HERE and request.node.name != "test_rerun_in_fresh_process":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1; covered by test_rerun_in_fresh_process")
+
+
+@pytest.mark.skipif(RUNS_HERE, reason="the kernel tests ran in this process")
+def test_rerun_in_fresh_process():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+
+
+@contextlib.contextmanager
+def nan_filled_empty():
+    """Inside, torch.empty returns NaN (ints: max int): an output element a kernel never writes stays NaN."""
+    import torch.utils.deterministic as det
+    was_on, was_fill = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_on)
+        det.fill_uninitialized_memory = was_fill
+
+
+def triton_decode(q, k_pool, v_pool, bt, sl, scale, num_splits=0):
+    with nan_filled_empty():
+        return torch.ops.minigrpo.paged_decode_attention(q, k_pool, v_pool, bt, sl, scale, num_splits)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Paged decode attention
+# ----------------------------------------------------------------------------------------------------
+
+GEOMETRIES = {  # lengths (0 = padded slot), page size, q heads, kv heads, head dim
+    "qwen-gqa7": ([0, 1, 15, 16, 17, 100], 16, 14, 2, 64),
+    "gqa8-page8": ([3, 200, 64], 8, 8, 1, 64),
+    "mha-d128-page64": ([130, 0, 257], 64, 4, 4, 128),
+    "page256": ([300, 5], 256, 14, 2, 64),          # pages larger than one 64-token block
+}
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0], ids=["unsplit", "split3", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
+def test_decode_matches_eager(geometry, dtype, num_splits):
+    lens, S, Hq, Hkv, D = geometry
+    k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, S, Hkv, D, dtype=dtype, seed=len(lens), device=DEVICE)
+    q = torch.randn(len(lens), Hq, D, generator=torch.Generator().manual_seed(S)).to(DEVICE, dtype)
+    scale = D ** -0.5
+    out = triton_decode(q, k_pool, v_pool, bt, sl, scale, num_splits)
+    ref = decode_attention("eager", q, k_pool, v_pool, bt, sl, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert out.isfinite().all()
+    assert (out[sl == 0] == 0).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_sequence_filling_its_whole_table(num_splits):
+    lens, S = [48, 33], 16
+    k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, S, 2, 64, seed=7, device=DEVICE)
+    bt = bt[:, :math.ceil(max(lens) / S)].contiguous()                  # the 48-token sequence uses every column
+    q = torch.randn(2, 14, 64, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    ref = decode_attention("eager", q, k_pool, v_pool, bt, sl, 0.125)
+    torch.testing.assert_close(triton_decode(q, k_pool, v_pool, bt, sl, 0.125, num_splits), ref,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_decode_strided_q():
+    # q as a view into a fused qkv projection output: rows are not contiguous.
+    k_pool, v_pool, bt, sl, _, _ = make_paged_kv([20, 9], 8, 2, 64, seed=9, device=DEVICE)
+    qkv = torch.randn(2, 18, 64, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    q = qkv[:, :14]                                                      # (2, 14, 64), stride(0) = 18 * 64
+    ref = decode_attention("eager", q.contiguous(), k_pool, v_pool, bt, sl, 0.125)
+    torch.testing.assert_close(triton_decode(q, k_pool, v_pool, bt, sl, 0.125), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_num_splits_from_static_shapes():
+    # want = cdiv(4 programs/SM * 132 SMs, batch * kv_heads); cap = max_tokens // 128; at most 32.
+    assert kda.choose_num_splits(256, 2, 2048, 132) == 2       # 512 programs already: one more split
+    assert kda.choose_num_splits(64, 2, 512, 132) == 4         # wants 5, capped by 512 // 128
+    assert kda.choose_num_splits(64, 2, 4096, 132) == 5
+    assert kda.choose_num_splits(1, 2, 64, 132) == 1           # too short to split
+    assert kda.choose_num_splits(1, 1, 1 << 20, 132) == 32     # never more than MAX_SPLITS
+    assert kda.choose_num_splits(1024, 2, 4096, 132) == 1
+
+
+def test_decode_rejects_bad_geometry():
+    k_pool, v_pool, bt, sl, _, _ = make_paged_kv([4], 8, 2, 48, device=DEVICE)  # head_dim 48: not a power of 2
+    q = torch.zeros(1, 4, 48, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        torch.ops.minigrpo.paged_decode_attention(q, k_pool, v_pool, bt, sl, 1.0)
+    k_pool, v_pool, bt, sl, _, _ = make_paged_kv([4], 8, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="num_splits must be 0"):
+        torch.ops.minigrpo.paged_decode_attention(torch.zeros(1, 4, 64, device=DEVICE), k_pool, v_pool,
+                                                  bt, sl, 1.0, -2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fused rope + store
+# ----------------------------------------------------------------------------------------------------
+
+def rope_tolerance(dtype):
+    """Exact, except fp32 on a GPU, where Triton may fuse x*c - y*s into one FMA (one rounding fewer)."""
+    if DEVICE == "cuda" and dtype == torch.float32:
+        return dict(atol=1e-6, rtol=1e-6, equal_nan=True)
+    return dict(atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("heads", [(14, 2, 64), (4, 4, 128)], ids=["qwen", "mha-d128"])
+def test_rope_store_matches_torch(heads, dtype):
+    Hq, Hkv, D = heads
+    q, k, v, k_pool, v_pool, pos, slots, cos, sin = make_rope_inputs(5, Hq, Hkv, D, dtype=dtype, seed=D,
+                                                                     device=DEVICE)
+    ref_pools = k_pool.clone(), v_pool.clone()
+    ref_q = rope_store("eager", q, k, v, *ref_pools, pos, slots, cos, sin)
+    with nan_filled_empty():
+        out_q = rope_store("triton", q, k, v, k_pool, v_pool, pos, slots, cos, sin)
+    # Same rounding steps as the model's apply_rope: bit-identical, untouched pool bytes still NaN.
+    tol = rope_tolerance(dtype)
+    torch.testing.assert_close(out_q, ref_q, **tol)
+    torch.testing.assert_close(k_pool, ref_pools[0], **tol)
+    torch.testing.assert_close(v_pool, ref_pools[1], **tol)
+
+
+def test_rope_store_strided_inputs_and_all_skipped():
+    q, k, v, k_pool, v_pool, pos, slots, cos, sin = make_rope_inputs(4, 14, 2, 64, seed=3, device=DEVICE)
+    qkv = torch.cat([q, k, v], dim=1)                                    # (B, 18, D) fused projection
+    q, k, v = qkv[:, :14], qkv[:, 14:16], qkv[:, 16:]
+    ref_pools = k_pool.clone(), v_pool.clone()
+    ref_q = rope_store("eager", q, k, v, *ref_pools, pos, slots, cos, sin)
+    out_q = rope_store("triton", q, k, v, k_pool, v_pool, pos, slots, cos, sin)
+    torch.testing.assert_close(out_q, ref_q, **rope_tolerance(q.dtype))
+    torch.testing.assert_close(k_pool, ref_pools[0], **rope_tolerance(q.dtype))
+    before = k_pool.clone()
+    rope_store("triton", q, k, v, k_pool, v_pool, pos, torch.full_like(slots, -1), cos, sin)
+    torch.testing.assert_close(k_pool, before, atol=0, rtol=0, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# torch.compile: the registered ops trace with no graph break
+# ----------------------------------------------------------------------------------------------------
+
+def test_triton_backend_compiles_fullgraph():
+    # CPU: Dynamo only (backend="eager"; the interpreter cannot run on fake tensors). CUDA: full Inductor.
+    backend = "inductor" if DEVICE == "cuda" else "eager"
+    k_pool, v_pool, bt, sl, _, _ = make_paged_kv([5, 0, 40], 16, 2, 64, seed=11, device=DEVICE)
+    q, k, v, _, _, pos, slots, cos, sin = make_rope_inputs(3, 14, 2, 64, P=k_pool.shape[0], S=16, seed=12,
+                                                           device=DEVICE)
+    slots = torch.tensor([4 * 16 + 5, -1, 2 * 16 + 7], dtype=torch.int32, device=DEVICE)
+
+    def step(q, k, v, k_pool, v_pool, bt, sl):
+        q = rope_store("triton", q, k, v, k_pool, v_pool, pos, slots, cos, sin)
+        return decode_attention("triton", q, k_pool, v_pool, bt, sl, 0.125)
+
+    pools = k_pool.clone(), v_pool.clone()
+    explain = torch._dynamo.explain(step)(q, k, v, *pools, bt, sl)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    ref_pools = k_pool.clone(), v_pool.clone()
+    ref = step(q, k, v, *ref_pools, bt, sl)
+    out = torch.compile(step, fullgraph=True, backend=backend)(q, k, v, k_pool, v_pool, bt, sl)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_pool, ref_pools[0], **rope_tolerance(k_pool.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU only: real shapes in bf16, CUDA graphs, no pool copies under Inductor
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("heads", [(14, 2, 64), (28, 4, 128)], ids=["qwen0.5b-d64", "qwen7b-d128"])
+def test_bf16_accuracy_at_model_shapes(heads, page_size):
+    Hq, Hkv, D = heads
+    g = torch.Generator().manual_seed(page_size + D)
+    lens = torch.randint(1, 2048, (24,), generator=g).tolist() + [0, 1, 2047]
+    k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, page_size, Hkv, D, seed=D, device="cuda")
+    q = torch.randn(len(lens), Hq, D, generator=g).cuda()
+    bf = [t.bfloat16() for t in (q, k_pool, v_pool)]
+    # fp32 math on the same (bf16-rounded) inputs: the error measured is the kernel's own.
+    ref = decode_attention("eager", *(t.float() for t in bf), bt, sl, D ** -0.5)
+    for num_splits in (0, 1):
+        out = triton_decode(bf[0], bf[1], bf[2], bt, sl, D ** -0.5, num_splits).float()
+        assert out.isfinite().all()
+        rel = (out - ref).norm() / ref.norm()
+        assert rel <= 1e-2, f"relative error {rel:.2e} with num_splits={num_splits}"
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_follows_new_lengths():
+    lens = [700, 0, 33, 2000]
+    k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, 16, 2, 64, dtype=torch.bfloat16, seed=13, device="cuda")
+    q = torch.randn(4, 14, 64, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):                                      # warm up (compiles the kernels)
+        decode_attention("triton", q, k_pool, v_pool, bt, sl, 0.125)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention("triton", q, k_pool, v_pool, bt, sl, 0.125)
+    sl.copy_(torch.tensor([1, 0, 17, 1500], dtype=torch.int32))          # shorter: pages still valid
+    q.normal_()
+    graph.replay()
+    ref = decode_attention("eager", q, k_pool, v_pool, bt, sl, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    assert (out[1] == 0).all()
+
+
+@pytest.mark.gpu
+def test_compiled_ops_do_not_copy_the_pool():
+    P, S, Hkv, D = 16384, 16, 2, 64                                      # 64 MiB per pool in bf16
+    pool_bytes = P * S * Hkv * D * 2
+    k_pool, v_pool = (torch.randn(P, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    B = 8
+    bt = torch.randperm(P, device="cuda")[:B * 64].view(B, 64).int()
+    sl = torch.full((B,), 1000, dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(B, h, D, device="cuda", dtype=torch.bfloat16) for h in (14, Hkv, Hkv))
+    pos = torch.arange(B, dtype=torch.int32, device="cuda")
+    slots = bt[:, 62] * S + 3
+    cos, sin = torch.randn(2, 4096, D, device="cuda").unbind(0)
+    cos, sin = cos.contiguous(), sin.contiguous()
+
+    @torch.compile(fullgraph=True)
+    def step(q, k, v, k_pool, v_pool):
+        q = rope_store("triton", q, k, v, k_pool, v_pool, pos, slots, cos, sin)
+        return decode_attention("triton", q, k_pool, v_pool, bt, sl, 0.125)
+
+    step(q, k, v, k_pool, v_pool)                                        # compile
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step(q, k, v, k_pool, v_pool)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < pool_bytes // 4, f"compiled step allocated {extra / 2**20:.1f} MiB: a pool was copied"
+    row = k_pool.view(-1, Hkv, D)[slots.long()]                          # the rotated k landed in place
+    assert not torch.equal(row, torch.zeros_like(row)) and row.isfinite().all()

@@ -1,0 +1,98 @@
+"""train.py and `python -m minigrpo.evaluate` as a user runs them: subprocesses, exit codes, files, messages."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import QWEN_DIR, SHARED_DATA, random_model, tiny_config
+from minigrpo.checkpoint import save_model
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K = SHARED_DATA / "gsm8k"
+
+
+def run(args, cwd=REPO, timeout=300, **env):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env}  # tiny models: 1 thread is fastest
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_smoke_preset_trains_and_writes_metrics(tmp_path):
+    proc = run(["train.py", "--preset", "smoke", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(151))  # step 0: evaluation before training
+    assert records[0]["eval_accuracy"] < 0.2 and records[-1]["eval_accuracy"] >= 0.8
+    rewards = [r["reward_mean"] for r in records[1:]]
+    assert sum(rewards[:5]) / 5 < 0.2 and sum(rewards[-10:]) / 10 >= 0.8
+    assert (tmp_path / "checkpoints" / "step_000150" / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "samples.jsonl").read_text().count("\n") > 0
+
+
+def test_help_documents_every_flag():
+    proc = run(["train.py", "--help"])
+    assert proc.returncode == 0
+    sys.path.insert(0, str(REPO))
+    from train import build_parser
+
+    for action in build_parser()._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+        assert action.option_strings[-1] in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "smoke", "--minibatch-size", "7"], "minibatch_size 7 must divide the B*G = 128 rows"),
+    (["--preset", "smoke", "--model-dir", "x"], "--preset smoke trains its own tiny random model"),
+    (["--model-dir", "/nonexistent/model"], "/nonexistent/model is not a model directory"),
+])
+def test_bad_input_gives_a_message_not_a_traceback(args, message):
+    proc = run(["train.py", *args])
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_offline_without_a_model_explains_what_to_do(tmp_path):
+    # No --model-dir: the default directory (relative to the working directory) is missing and must be downloaded.
+    proc = run([str(REPO / "train.py"), "--device", "cpu"], cwd=tmp_path, HF_HUB_OFFLINE="1",
+               HF_HOME=str(tmp_path / "hf"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "cannot reach the Hugging Face Hub" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_dir(tmp_path_factory):
+    """A random 2-layer model with Qwen2.5's vocabulary and tokenizer files: the real GSM8K code path, fast."""
+    if not (QWEN_DIR.exists() and GSM8K.exists()):
+        pytest.skip(f"shared data not found under {SHARED_DATA}")
+    out = tmp_path_factory.mktemp("tiny_qwen")
+    save_model(random_model(tiny_config(vocab=151936, n_heads=2, n_kv_heads=1, head_dim=8)), out,
+               tokenizer_dir=QWEN_DIR)
+    return out
+
+
+def test_gsm8k_path_runs_one_step_and_resumes(tmp_path, tiny_qwen_dir):
+    common = ["train.py", "--model-dir", str(tiny_qwen_dir), "--train-data", str(GSM8K / "train.jsonl"),
+              "--test-data", str(GSM8K / "test.jsonl"), "--device", "cpu", "-B", "2", "-G", "2",
+              "--max-new-tokens", "3", "--eval-limit", "2", "--eval-every", "1", "--out", str(tmp_path)]
+    proc = run([*common, "--steps", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model_dir = tmp_path / "checkpoints" / "step_000001" / "model"
+    assert (model_dir / "tokenizer.json").is_file()  # the checkpoint is a complete HF directory
+    proc = run([*common, "--steps", "2", "--resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+
+
+def test_standalone_evaluation(tmp_path, tiny_qwen_dir):
+    out = tmp_path / "eval.jsonl"
+    proc = run(["-m", "minigrpo.evaluate", "--model-dir", str(tiny_qwen_dir), "--test-data",
+                str(GSM8K / "test.jsonl"), "--limit", "3", "--max-new-tokens", "4", "--device", "cpu",
+                "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "greedy accuracy 0.0000 on 3 GSM8K test examples" in proc.stdout  # a random model is never right
+    rows = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert len(rows) == 3 and {"question", "ground_truth", "completion", "correct"} <= set(rows[0])

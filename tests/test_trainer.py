@@ -1,0 +1,357 @@
+"""The Dr. GRPO loop end to end on tiny models: offsets, dropped groups, the exact gradient, learning, resume."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from conftest import QWEN_DIR, random_model, tiny_config
+from minigrpo.data import EpochSampler
+from minigrpo.evaluate import evaluate
+from minigrpo.generate import Rollout, generate
+from minigrpo.metrics import MetricsLogger
+from minigrpo.rollout import ReferenceBackend
+from minigrpo.sampling import SamplingParams
+from minigrpo.sequences import SequenceBatch, completion_logprobs, pad_rows
+from minigrpo.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
+from minigrpo.trainer import Trainer, TrainConfig, lr_factor
+
+STOP, PAD = 31, 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models: threading costs more than it saves, and a busy 2-core CI machine makes it 5x worse.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class FakeTokenizer:
+    stop_ids, pad_id, eos_id = (STOP,), PAD, STOP
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+class FakeTask:
+    """Prompts given as token lists; reward 1 iff the completion starts with token 10."""
+
+    def __init__(self, prompts):
+        self.prompts = prompts
+
+    def __len__(self):
+        return len(self.prompts)
+
+    def prompt(self, i):
+        return self.prompts[i]
+
+    def score(self, i, completion):
+        return (1.0, True) if completion[:1] == [10] else (0.0, False)
+
+    def describe(self, i):
+        return {"question": str(self.prompts[i])}
+
+
+class ScriptedBackend:
+    """Returns fixed completions per prompt (keyed by the prompt's first token); counts weight syncs."""
+
+    def __init__(self, script):
+        self.script, self.syncs = script, 0
+
+    def generate(self, prompts, samples_per_prompt, max_new_tokens, params, stop_ids, seeds):
+        assert len(seeds) == len(prompts) * samples_per_prompt
+        tokens = [list(self.script[p[0]][j]) for p in prompts for j in range(samples_per_prompt)]
+        return Rollout(tokens, [[-1.0] * len(t) for t in tokens])
+
+    def load_weights(self, model):
+        self.syncs += 1
+
+
+def _count_forward_rows(model):
+    """Wrap model.hidden_states to record the number of rows of every call."""
+    rows, inner = [], model.hidden_states
+
+    def counted(ids, *args, **kwargs):
+        rows.append(ids.shape[0])
+        return inner(ids, *args, **kwargs)
+
+    model.hidden_states = counted
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ sequence layout
+
+
+def test_sequence_batch_layout_hand_made():
+    batch = SequenceBatch.build([[1, 2], [3]], [[4, STOP], [5, 6, 7]], pad_id=PAD, stop_ids=(STOP,), device="cpu")
+    # P = 2, C = 3: prompts left-padded, completions right-padded
+    assert batch.ids.tolist() == [[1, 2, 4, STOP, PAD], [PAD, 3, 5, 6, 7]]
+    assert batch.attn.tolist() == [[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
+    assert batch.mask.tolist() == [[1, 1, 0], [1, 1, 1]]  # stop kept, padding dropped; no stop: all ones
+    sub = batch.select([0])  # row 0 alone: no left padding, C = 2
+    assert sub.ids.tolist() == [[1, 2, 4, STOP]] and sub.P == 2 and sub.mask.tolist() == [[1, 1]]
+    sub = batch.select([1])  # row 1 alone: P = 1
+    assert sub.ids.tolist() == [[3, 5, 6, 7]] and sub.P == 1 and sub.C == 3
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trainer_logprobs_equal_the_rollouts_sampling_logprobs(temperature):
+    # End to end: sampling (its own forward, left padding, growing sequence) vs the trainer's one-shot scoring
+    # of prompt + completion. Any off-by-one in the offsets or positions, or a missing temperature, breaks it.
+    model = random_model(tiny_config(tied=False, vocab=64), seed=1, std=0.3)
+    prompts = [p for p in ([1, 2, 3, 4, 5], [6, 7], [8, 9, 10]) for _ in range(3)]
+    stops = tuple(range(52, 64))  # 12 of 64 ids: some rows stop early, some run out of budget
+    rollout = generate(model, prompts, 8, params=SamplingParams(temperature=temperature), stop_ids=stops,
+                       pad_id=PAD, seeds=list(range(100, 109)))
+    lens = [len(t) for t in rollout.tokens]
+    assert min(lens) < 8 and max(lens) == 8
+    batch = SequenceBatch.build(prompts, rollout.tokens, pad_id=PAD, stop_ids=stops, device="cpu")
+    assert batch.mask.sum(1).tolist() == lens
+    logp = completion_logprobs(model, batch, temperature=temperature)
+    sampled = pad_rows(rollout.logprobs, batch.C, "cpu")
+    assert ((logp - sampled).abs() * batch.mask).max().item() <= 1e-4
+
+
+# ------------------------------------------------------------------------------------------ zero-advantage groups
+
+
+def _trainer(model, script, prompts, tmp_path, **cfg):
+    cfg = TrainConfig(**{"prompts_per_step": len(prompts), "samples_per_prompt": 4, "max_new_tokens": 6,
+                         "eval_every": 0, "sample_every": 0, "lr": 1e-2, **cfg})
+    backend = ScriptedBackend(script)
+    return Trainer(cfg, model, FakeTokenizer(), FakeTask(prompts), backend, tmp_path, echo=False), backend
+
+
+def test_all_zero_advantage_groups_cost_no_forward_and_skip_the_update(tmp_path):
+    model = random_model(tiny_config(tied=False, vocab=32), seed=0).train()
+    before = copy.deepcopy(model.state_dict())
+    script = {1: [[10, STOP]] * 4, 4: [[11, 12, STOP]] * 4}  # all right / all wrong: zero spread everywhere
+    trainer, backend = _trainer(model, script, [[1, 2, 3], [4, 5]], tmp_path, warmup_steps=4)
+    rows = _count_forward_rows(model)
+    first, second = trainer.step(), trainer.step()
+    assert rows == [] and backend.syncs == 0
+    assert first["skipped_update"] and first["zero_spread_frac"] == 1.0 and first["trained_rows"] == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert (first["lr"], second["lr"]) == pytest.approx((1e-2 / 4, 1e-2 * 2 / 4))  # warmup counts skipped steps
+
+
+def test_only_informative_groups_are_forwarded_and_the_gradient_is_the_full_batch_one(tmp_path):
+    torch.manual_seed(0)
+    model = random_model(tiny_config(tied=False, vocab=32), seed=3, std=0.1).train()
+    initial = copy.deepcopy(model)
+    script = {1: [[10, STOP]] * 4,                                             # zero spread: dropped
+              4: [[10, STOP], [11, 12, STOP], [10, 13, 14, 15, 16, 17], [12, STOP]],
+              6: [[13, STOP], [10, 10, STOP], [14], [15, 16, STOP]]}
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    trainer, backend = _trainer(model, script, prompts, tmp_path, micro_batch_size=3, max_grad_norm=0.0)
+    rows = _count_forward_rows(model)
+    grads = {}
+    step = trainer.optimizer.step
+
+    def capture(*a, **k):
+        grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+        return step(*a, **k)
+
+    trainer.optimizer.step = capture
+    m = trainer.step()
+    # 8 informative rows in micro-batches of 3: old-logprob pass then the update pass; the dropped group never
+    assert rows == [3, 3, 2, 3, 3, 2] and m["trained_rows"] == 8 and backend.syncs == 1
+
+    # Reference: the Dr. GRPO loss over ALL 12 rows, each row scored alone (no padding) from full logits.
+    G, L = 4, 6
+    losses = []
+    for r, completion in enumerate(trainer.last_rollout["completions"]):
+        prompt = prompts[trainer.last_rollout["examples"][r // G]]
+        ids = torch.tensor([prompt + completion])
+        logp_all = initial(ids)[0].log_softmax(-1)                          # (T, V)
+        # the logits at t score token t+1: completion token k sits at len(prompt) + k
+        logp = torch.stack([logp_all[len(prompt) + k - 1, tok] for k, tok in enumerate(completion)])
+        rewards = torch.tensor(trainer.last_rollout["rewards"]).view(-1, G)
+        adv = (rewards - rewards.mean(1, keepdim=True)).view(-1)[r]
+        losses.append(-(adv * torch.exp(logp - logp.detach())).sum())        # ratio = 1, gradient = A * dlogp
+    (torch.stack(losses).sum() / (12 * L)).backward()
+    for name, p in initial.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+# ------------------------------------------------------------------------------------------ learning and resume
+
+
+def _synthetic_trainer(out_dir, **overrides):
+    tokenizer = CharTokenizer()
+    model = tiny_policy(tokenizer.vocab_size, seed=0)
+    cfg = TrainConfig(**{"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": 3, "lr": 1e-3,
+                         "micro_batch_size": 128, "eval_every": 0, "sample_every": 0, "save_every": 0,
+                         "steps": 150, **overrides})
+    task = FirstDigitTask(tokenizer, 10_000, seed=0)
+    return Trainer(cfg, model, tokenizer, task, ReferenceBackend(model, tokenizer.pad_id), out_dir, echo=False)
+
+
+@pytest.mark.slow
+def test_synthetic_task_is_learned(tmp_path):
+    trainer = _synthetic_trainer(tmp_path)
+    rewards = []
+    while trainer.step_idx < trainer.cfg.steps:
+        rewards.append(trainer.step()["reward_mean"])
+        if len(rewards) >= 5 and sum(rewards[-5:]) / 5 >= 0.8:
+            break
+    start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert start < 0.2, f"a random policy should start low, got {start:.3f}"
+    assert end >= 0.8, f"reward reached only {end:.3f} after {len(rewards)} steps: {rewards[::10]}"
+
+
+_TIMING = ("time_", "tokens_per_s")
+
+
+def _comparable(m):
+    return {k: v for k, v in m.items() if not any(t in k for t in _TIMING)}
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    # Multiple inner epochs, shuffled minibatches, warmup + cosine, KL to a reference: every piece of state.
+    cfg = dict(steps=4, inner_epochs=2, minibatch_size=32, micro_batch_size=16, warmup_steps=2,
+               lr_schedule="cosine", kl_beta=0.05, lr=3e-3)
+    full = _synthetic_trainer(tmp_path / "full", **cfg)
+    expected = [full.step() for _ in range(4)]
+
+    first = _synthetic_trainer(tmp_path / "split", **cfg)
+    first.step(), first.step()
+    ckpt = first.save()
+    torch.manual_seed(123)  # disturb the global RNGs: the resumed run must not depend on them
+    second = _synthetic_trainer(tmp_path / "split", **cfg)
+    second.resume(tmp_path / "split")
+    assert second.step_idx == 2
+    resumed = [second.step(), second.step()]
+    assert [_comparable(m) for m in resumed] == [_comparable(m) for m in expected[2:]]
+
+    with pytest.raises(ValueError, match="lr: checkpoint 0.003 vs now 0.001"):
+        _synthetic_trainer(tmp_path / "other", **{**cfg, "lr": 1e-3}).resume(ckpt)
+
+
+def test_kl_is_measured_against_the_initial_policy(tmp_path):
+    trainer = _synthetic_trainer(tmp_path, steps=2, kl_beta=0.1, lr=1e-2)
+    first, second = trainer.step(), trainer.step()
+    assert first["kl"] == 0.0  # K = 1, one minibatch: the policy is still the reference during step 1
+    assert second["kl"] > 0.0
+
+
+def test_checkpoint_loads_in_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    trainer = _synthetic_trainer(tmp_path, steps=1)
+    trainer.step()
+    ckpt = trainer.save()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == ckpt.name
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(ckpt / "model", dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 10]])
+    with torch.no_grad():
+        assert (hf(ids).logits - trainer.model(ids)).abs().max().item() <= 1e-5
+
+
+def test_keep_checkpoints_prunes_old_ones(tmp_path):
+    trainer = _synthetic_trainer(tmp_path, steps=3, keep_checkpoints=2)
+    for _ in range(3):
+        trainer.step()
+        trainer.save()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000003"]
+
+
+@pytest.mark.parametrize("attn", ["sdpa"])
+def test_engine_backend_agrees_with_the_reference_and_is_synced_after_updates(tmp_path, attn):
+    pytest.importorskip("minigrpo.engine", reason="the fast engine is not available")
+    from minigrpo.rollout import make_backend
+
+    reference = _synthetic_trainer(tmp_path / "ref", lr=1e-2)
+    engine = _synthetic_trainer(tmp_path / "engine", lr=1e-2)
+    engine.backend = make_backend(attn, engine.model, pad_id=engine.pad_id, max_seq_len=16)
+    for _ in range(3):  # after step 1 the engine only agrees if load_weights copied the updated policy
+        a, b = reference.step(), engine.step()
+        assert engine.last_rollout == reference.last_rollout  # same seeds -> same completions
+        assert b["logp_diff_max"] <= 1e-4
+
+
+# ------------------------------------------------------------------------------------------ small pieces
+
+
+def test_lr_schedule_hand_values():
+    cfg = TrainConfig(steps=6, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.0)
+    # warmup: (s+1)/2; then cosine over the 4 remaining steps: progress (s-2)/4 -> 0.5 * (1 + cos(pi * p))
+    expected = [0.5, 1.0, 1.0, 0.5 * (1 + 2 ** -0.5), 0.5, 0.5 * (1 - 2 ** -0.5)]
+    assert [lr_factor(s, cfg) for s in range(6)] == pytest.approx(expected)
+    assert lr_factor(5, TrainConfig(steps=6, warmup_steps=2)) == 1.0  # constant after warmup
+
+
+def test_epoch_sampler_permutes_each_epoch_and_resumes():
+    s = EpochSampler(5, seed=1)
+    first = s.next(3) + s.next(2)
+    second = s.next(5)
+    assert sorted(first) == sorted(second) == [0, 1, 2, 3, 4] and first != second
+    state = s.state_dict()
+    ahead = s.next(7)
+    t = EpochSampler(5, seed=1)
+    t.load_state_dict(state)
+    assert t.next(7) == ahead
+    with pytest.raises(ValueError, match="same training data"):
+        EpochSampler(6, seed=1).load_state_dict(state)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="minibatch_size 48 must divide"):
+        TrainConfig(prompts_per_step=4, samples_per_prompt=8, minibatch_size=48)
+    with pytest.raises(ValueError, match="samples_per_prompt must be >= 2"):
+        TrainConfig(samples_per_prompt=1)
+    with pytest.raises(ValueError, match="top_p"):
+        TrainConfig(top_p=0.0)
+
+
+def test_greedy_evaluation_counts_exact_answers():
+    tokenizer = CharTokenizer()
+    task = FirstDigitTask(tokenizer, 4, seed=0)
+    eos = tokenizer.eos_id
+    answers = {0: [task.prompt(0)[0], eos], 1: [task.prompt(1)[0]], 2: [eos], 3: [task.prompt(3)[0], eos]}
+
+    class Answering:  # right for examples 0 and 3, half credit for 1, wrong for 2
+        def generate(self, prompts, samples_per_prompt, max_new_tokens, params, stop_ids, seeds):
+            assert params.greedy and samples_per_prompt == 1
+            return Rollout([answers[[task.prompt(i) for i in range(4)].index(p)] for p in prompts], [])
+
+    res = evaluate(Answering(), task, stop_ids=(eos,), max_new_tokens=3, batch_size=3, progress=False)
+    assert res["accuracy"] == 0.5 and res["reward_mean"] == (1 + 0.5 + 0 + 1) / 4 and res["n"] == 4
+    assert res["truncated_frac"] == 0.25  # example 1 has no stop token
+
+
+def test_metrics_log_and_resume_truncation(tmp_path):
+    log = MetricsLogger(tmp_path, echo=False)
+    for s in (1, 2, 3):
+        log.log({"step": s, "reward_mean": s / 10})
+    MetricsLogger(tmp_path, resume_step=2, echo=False)  # the run is resumed from step 2's checkpoint
+    assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_tensorboard_logs_or_says_how_to_install_it(tmp_path):
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="pip install tensorboard"):
+            MetricsLogger(tmp_path, tensorboard=True, echo=False)
+        return
+    log = MetricsLogger(tmp_path, tensorboard=True, echo=False)
+    log.log({"step": 1, "reward_mean": 0.5})
+    log.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_gsm8k_task_prompt_and_reward():
+    if not QWEN_DIR.exists():
+        pytest.skip(f"Qwen tokenizer files not found at {QWEN_DIR}")
+    from minigrpo.gsm8k import Example, build_messages
+    from minigrpo.task import GSM8KTask
+    from minigrpo.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(QWEN_DIR)
+    task = GSM8KTask([Example("How many legs do 2 cats have?", "2*4=8\n#### 8", "8")], tokenizer)
+    assert task.prompt(0) == tokenizer.encode_chat(build_messages("How many legs do 2 cats have?"))
+    assert task.score(0, tokenizer.encode("So \\boxed{8}.<|im_end|>")) == (1.0, True)
+    assert task.score(0, tokenizer.encode("So \\boxed{9}.<|im_end|>")) == (0.0, False)

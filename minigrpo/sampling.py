@@ -39,26 +39,28 @@ class SamplingParams:
 
 GREEDY = SamplingParams(temperature=0.0)
 
-# Constants of a 64-bit multiply-xorshift mixer (splitmix64's finaliser), written as signed int64.
-_M1 = -4658895280553007687   # 0xBF58476D1CE4E5B9
-_M2 = -7723592293110705685   # 0x94D049BB133111EB
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
+_M32 = 0xFFFFFFFF
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    # Logical right shifts on signed int64: shift, then clear the sign-extended high bits.
-    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _M1
-    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _M2
-    return x ^ ((x >> 31) & ((1 << 33) - 1))
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2^32).
+
+    Every product stays below 2^63, so nothing overflows: the result is the same in eager PyTorch, in
+    Inductor's C++ and Triton code, on any device (signed overflow would be undefined behaviour there)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
 
 
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform (0, 1) noise, a pure function of (seed, counter, vocab index). (B,), (B,) -> (B, V) fp32."""
     idx = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)          # (V,)
-    key = _mix(seeds.long() * _GOLDEN + counters.long())                              # (B,)
-    bits = _mix(key[:, None] ^ (idx * _GOLDEN))                                       # (B, V)
+    key = _mix32((_mix32(seeds.long() & _M32) + counters.long()) & _M32)             # (B,)
+    bits = _mix32(key[:, None] ^ ((idx * 0x9E3779B9) & _M32))                         # (B, V)
     # 24 random bits -> (0, 1), never exactly 0 or 1, so the Gumbel transform stays finite.
-    return (((bits >> 8) & ((1 << 24) - 1)).float() + 0.5) * (1.0 / (1 << 24))
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

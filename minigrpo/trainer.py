@@ -218,8 +218,15 @@ class Trainer:
             m.update(entropy=((entropy * batch.mask).sum() / tokens).item(),
                      logp_diff_mean=(diff.sum() / tokens).item(), logp_diff_max=diff.max().item())
             timer.lap("logprobs")
+            if dev.type == "cuda":  # the update's own peak, above the resident weights and optimizer state
+                peak_before, resident = torch.cuda.max_memory_allocated(dev), torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
             m.update(self._update(batch, old_logp, ref_logp, adv[kept].to(dev), kept))
             timer.lap("update")
+            if dev.type == "cuda":
+                update_peak = torch.cuda.max_memory_allocated(dev)
+                m.update(peak_mem_update_gb=update_peak / 2**30, update_working_mem_gb=(update_peak - resident) / 2**30,
+                         peak_mem_before_update_gb=peak_before / 2**30)
             self.backend.load_weights(self.model)
             timer.lap("sync")
         else:
@@ -228,7 +235,8 @@ class Trainer:
         m.update({f"time_{k}": v for k, v in timer.times.items()}, time_step=timer.total)
         m.update(rollout_tokens_per_s=sum(lens) / max(timer.times["rollout"], 1e-9),
                  tokens_per_s=sum(lens) / max(timer.total, 1e-9),
-                 peak_mem_gb=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0)
+                 peak_mem_gb=max(torch.cuda.max_memory_allocated(dev) / 2**30,
+                                 m.get("peak_mem_before_update_gb", 0.0)) if dev.type == "cuda" else 0.0)
         return m
 
     @torch.no_grad()

@@ -1,14 +1,20 @@
 """Shared test fixtures: tiny random configs, the shared data folder, and the GPU marker's skip."""
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through its interpreter. Triton reads the flag once, on first import
+    # (torch._dynamo imports it), so it is set here, before any test module is collected.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from minigrpo.config import ModelConfig
 from minigrpo.model import Qwen2ForCausalLM, init_weights
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_DATA = Path(os.environ.get("MINIGRPO_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
 QWEN_DIR = SHARED_DATA / "qwen2.5-0.5b-instruct"
 
 

@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.workload import gsm8k_prompts, qwen_dir, random_qwen  # noqa: E402
+from minigrpo.checkpoint import save_model  # noqa: E402
 from minigrpo.engine import Engine, EngineConfig  # noqa: E402
 from minigrpo.generate import generate  # noqa: E402
 
@@ -42,14 +43,17 @@ def setup():
 
 
 @pytest.fixture(scope="module", params=[0.02], ids=["hf_init"])
-def models(request):
+def models(request, tmp_path_factory):
+    """Our bf16 model and transformers' loaded from the checkpoint we save, as a user would load it.
+
+    (Not `hf_model.to(torch.bfloat16)`: that also rounds transformers' fp32 RoPE frequencies to bf16, which
+    alone moves its logits about 2% away from an fp32 reference; from_pretrained keeps them fp32.)"""
     transformers = pytest.importorskip("transformers")
     ours = random_qwen(std=request.param)
-    hf_cfg = transformers.Qwen2Config(**ours.config.to_hf_dict("bfloat16"))
-    hf = transformers.Qwen2ForCausalLM(hf_cfg).to("cuda", torch.bfloat16).eval()
-    missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    hf.tie_weights()
+    path = tmp_path_factory.mktemp("ckpt")
+    save_model(ours, path, tokenizer_dir=qwen_dir())
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    assert hf.model.rotary_emb.inv_freq.dtype == torch.float32
     return ours, hf
 
 

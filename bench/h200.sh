@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU figures quoted in the issues' closing notes, one part per device call:
+#   bash bench/h200.sh checks|attention|decode64|decode256|report|train
+# Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
+# Results land in $OUT (default ./out).
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; export OUT; mkdir -p "$OUT"
+DATA=${MINIGRPO_DATA:-../shared/data}
+case "${1:-}" in
+  checks)      # correctness on the GPU: kernels in bf16, logits / greedy vs transformers, engine modes
+    python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 tests/test_kernels.py tests/test_gpu.py \
+      2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[|passed|failed|FAILED|Error" ;;
+  attention)   # decode-attention microbenchmark (Triton vs gather+SDPA vs dense SDPA)
+    python3 bench/attention.py --no-eager --out "$OUT/bench_attention.json" ;;
+  decode64)    # engine vs HF generate, 8 GSM8K prompts x 8 samples x 256 tokens
+    python3 bench/decode.py --workloads 8x8 "${@:2}" ;;
+  decode256)   # 32 prompts x 8 samples x 256 tokens
+    python3 bench/decode.py --workloads 32x8 "${@:2}" ;;
+  report)      # graphs, graph breaks and kernel launches per decode step, per backend
+    python3 bench/decode.py --report "${@:2}" ;;
+  logprobs)    # memory of chunked vs full-logit log-probs
+    python3 bench/logprobs_memory.py ;;
+  train)       # one full Dr. GRPO step per backend on a random-initialised Qwen2.5-0.5B
+    python3 weights/download.py --random-init --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
+    for attn in triton sdpa; do
+      python3 train.py --model-dir /tmp/rand05b --train-data "$DATA/gsm8k/train.jsonl" --test-data "$DATA/gsm8k/test.jsonl" \
+        --device cuda --attn "$attn" -B 8 -G 8 --max-new-tokens 256 -K 2 --beta 0.04 --steps 2 --eval-every 0 \
+        --save-every 0 --sample-every 0 --out "$OUT/train_$attn" "${@:2}" 2>&1 | tail -4
+    done ;;
+  *) echo "usage: bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train [args]"; exit 2 ;;
+esac

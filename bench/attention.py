@@ -42,6 +42,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import kernels.decode_attention as kda  # noqa: E402
+from bench.timing import copy_bandwidth_tbs  # noqa: E402
 from minigrpo.attention import decode_attention, rope_store_torch  # noqa: E402
 
 HQ, HKV, D = 14, 2, 64
@@ -94,11 +95,11 @@ def rotating(fn, sets):
 
 def copy_bandwidth(device: str, timer) -> float:
     """GB/s of a large device-to-device copy, counting bytes read plus bytes written."""
-    n = (1 << 30) if device == "cuda" else (64 << 20)
-    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    if device == "cuda":
+        return 1e3 * copy_bandwidth_tbs()  # the same ceiling bench/decode.py reports
+    src = torch.empty(64 << 20, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    us = timer(lambda: dst.copy_(src))
-    return 2 * n / (us * 1e-6) / 1e9
+    return 2 * src.numel() / (timer(lambda: dst.copy_(src)) * 1e-6) / 1e9
 
 
 def make_paged_set(B, ctx, S, device, gen):

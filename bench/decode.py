@@ -3,7 +3,7 @@ static cache) on the same weights and prompts, and the floors, all in one run.
 
     python bench/decode.py                                   # 8x8 and 32x8 GSM8K prompts x 256 new tokens
     python bench/decode.py --workloads 8x8 --attn triton --modes step+graphs --no-peers
-    python bench/decode.py --report                          # graphs, graph breaks, kernel launches per step
+    python bench/decode.py --report                          # graphs, graph breaks, kernel launches only
 
 Timing: CUDA events around each run of `sync_every` decode steps, median per step; tokens/s over the whole
 generate call (prefill and host syncs included). Stop ids are ignored, so every sequence decodes exactly
@@ -11,7 +11,8 @@ generate call (prefill and host syncs included). Stop ids are ignored, so every 
   bandwidth floor  (weight bytes + KV bytes read per step) / measured copy bandwidth
   matmul floor     the step's own GEMM chain (24 x qkv, o_proj, gate_up, down, residual adds, SiLU, then the
                    LM head) captured alone in one CUDA graph
-A table goes to stdout, everything to <out>/decode.json.
+Each engine row also carries the step's compiled graphs, graph breaks with reasons (compile=step) and
+kernel launches per step. A table goes to stdout, everything to <out>/decode.json.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import copy_bandwidth_tbs, time_graph  # noqa: E402
 from bench.workload import gsm8k_prompts, random_qwen  # noqa: E402
 from minigrpo.attention import decode_attention  # noqa: E402
 from minigrpo.decode import advance, decode_step  # noqa: E402
@@ -37,35 +39,6 @@ from minigrpo.sampling import SamplingParams  # noqa: E402
 
 MODES = {"none": ("none", False), "graphs": ("none", True), "step": ("step", False), "step+graphs": ("step", True)}
 SAMPLING = SamplingParams(temperature=1.0)  # the GRPO rollout setting; the peers sample the same way
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (TB/s)."""
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / (time_graph(lambda: y.copy_(x), reps=20) * 1e-3) / 1e12
-
-
-def time_graph(fn, reps=50) -> float:
-    """Median ms of one call of fn, captured in a CUDA graph and replayed (launch overhead excluded)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def gemm_chain(engine: Engine, B: int, compiled: bool):
@@ -130,7 +103,7 @@ def run_engine(model, prompts, G, new, attn, mode, page_size) -> dict:
     wall = time.perf_counter() - t0
     assert all(len(t) == new for t in out.tokens)
     engine.runner.run = run
-    return dict(engine=engine, ms_per_step=statistics.median(step_ms), prefill_ms=sum(prefill_ms),
+    return dict(engine=engine, **step_report(engine, N), ms_per_step=statistics.median(step_ms), prefill_ms=sum(prefill_ms),
                 tok_per_s=N * new / wall, seconds=wall, warmup_s=warmup_s,
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9)
 
@@ -201,32 +174,41 @@ def hf_peer(model, prompts, G, new) -> list[dict]:
     return rows
 
 
-def report(model, prompts, attns) -> list[dict]:
-    """Per backend: compiled graphs and graph breaks of the step (compile=step), kernel launches per step."""
+def step_report(engine: Engine, B: int) -> dict:
+    """What the decode step is made of under this engine's config: compiled graphs and every graph break
+    (torch._dynamo.explain over the step, when compile=step) and kernel launches per step (profiler, one
+    un-captured step; under CUDA graphs the same kernels replay from one graph launch)."""
+    st, kv, m, attn = engine.state, engine.kv, engine.model, engine.cfg.attn
+    row = {}
+    if engine.cfg.compile == "step":
+        explain = torch._dynamo.explain(decode_step)(m, attn, SAMPLING, *st.args(B), kv.k, kv.v)
+        row.update(graphs=explain.graph_count, graph_breaks=explain.graph_break_count,
+                   break_reasons=[str(b.reason) for b in explain.break_reasons])
+    unit, tail = engine.runner.units(B, SAMPLING)
+    unit()  # already compiled by the timed run; this one only warms the profiler's path
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        unit()
+        if tail is not None:
+            tail()
+        torch.cuda.synchronize()
+    row["kernels_per_step"] = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    return row
+
+
+def report(model, prompts, attns, modes) -> list[dict]:
+    """--report: step_report per backend and mode at 8 sequences, no timing."""
     rows = []
     for attn in attns:
-        cfg = EngineConfig(attn=attn, max_batch=8, buckets=(8,), max_seq_len=512, kv_pages=8 * 33 + 1)
-        engine = Engine(model.config, cfg, device="cuda")
-        engine.load_weights(model)
-        engine.generate(prompts[:8], 1, 4, SAMPLING)
-        st, kv, m = engine.state, engine.kv, engine.model
-        args = (m, attn, SAMPLING, *st.args(8), kv.k, kv.v)
-        st.done.fill_(False)
-        explain = torch._dynamo.explain(decode_step)(*args)
-        row = dict(attn=attn, graphs=explain.graph_count, graph_breaks=explain.graph_break_count,
-                   break_reasons=[str(b.reason) for b in explain.break_reasons])
-        compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
-        for name, fn in (("none", decode_step), ("step", compiled)):
-            fn(*args)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                fn(*args)
-                torch.cuda.synchronize()
-            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            row[f"kernels_per_step_compile_{name}"] = len(kernels)
-        st.done.fill_(True)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for mode in modes:
+            comp, graphs = MODES[mode]
+            cfg = EngineConfig(attn=attn, compile=comp, cuda_graphs=graphs, max_batch=8, buckets=(8,),
+                               max_seq_len=512, kv_pages=8 * 33 + 1)
+            engine = Engine(model.config, cfg, device="cuda")
+            engine.load_weights(model)
+            engine.generate(prompts[:8], 1, 4, SAMPLING)
+            rows.append(dict(attn=attn, mode=mode, **step_report(engine, 8)))
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -245,10 +227,10 @@ def main():
     model = random_qwen()
     _, all_prompts = gsm8k_prompts(max(int(w.split("x")[0]) for w in args.workloads.split(",")))
     attns = args.attn.split(",")
-    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bandwidth())
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bandwidth_tbs())
     out = Path(args.out) / ("decode_report.json" if args.report else "decode.json")
     if args.report:
-        result["report"] = report(model, all_prompts, attns)
+        result["report"] = report(model, all_prompts, attns, args.modes.split(","))
         out.write_text(json.dumps(result, indent=1))
         return
     result["workloads"] = []
@@ -296,7 +278,7 @@ def print_table(result):
               f"{wl.get('bandwidth_floor_ms', float('nan')):.3f} ms, matmul chain {mm or float('nan'):.3f} ms "
               f"(cuBLAS eager {wl.get('matmul_floor_cublas_ms', float('nan')):.3f})")
         print(f"{'attn':8} {'mode':12} {'ms/step':>8} {'tok/s':>9} {'prefill':>8} {'peak GB':>8} "
-              f"{'x HF static':>11} {'/ matmul':>8}")
+              f"{'x HF static':>11} {'/ matmul':>8} {'kernels':>7} {'breaks':>6}")
         for r in wl["engine"]:
             if "error" in r:
                 print(f"{r['attn']:8} {r['mode']:12} ERROR {r['error'][:80]}")
@@ -304,7 +286,8 @@ def print_table(result):
             print(f"{r['attn']:8} {r['mode']:12} {r['ms_per_step']:8.3f} {r['tok_per_s']:9.0f} "
                   f"{r['prefill_ms']:8.2f} {r['peak_gb']:8.2f} "
                   f"{(r['tok_per_s'] / static) if static else float('nan'):11.2f} "
-                  f"{(r['ms_per_step'] / mm) if mm else float('nan'):8.2f}")
+                  f"{(r['ms_per_step'] / mm) if mm else float('nan'):8.2f} {r['kernels_per_step']:7d} "
+                  f"{r.get('graph_breaks', '-'):>6}")
         for mode, r in peers.items():
             print(f"{'hf':8} {mode:12} {r['ms_per_step']:8.3f} {r['tok_per_s']:9.0f}")
         if "breakdown" in wl:

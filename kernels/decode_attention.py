@@ -85,7 +85,9 @@ def _paged_decode_kernel(
         k = tl.load(k_pool_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
         v = tl.load(v_pool_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (BLOCK_H, BLOCK_N)
+        # Under torch.compile the Python-float scale can arrive as fp64; the cast keeps the loop-carried
+        # softmax state fp32 (Triton rejects a loop variable whose type changes).
+        s = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)  # (BLOCK_H, BLOCK_N)
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))        # finite: every step has at least one valid token
         alpha = tl.exp2(m - m_new)

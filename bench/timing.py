@@ -1,0 +1,39 @@
+"""Timing helpers shared by the GPU benchmarks: CUDA-graph replay timing and the copy-bandwidth ceiling."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def time_graph(fn, reps: int = 50) -> float:
+    """Median ms of one call of fn, captured in a CUDA graph and replayed (host launch overhead excluded)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth_tbs() -> float:
+    """A 2 GiB device-to-device copy: bytes read + written per second, in TB/s (the memory ceiling)."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").fill_(1)
+    y = torch.empty_like(x)
+    tbs = 2 * x.numel() / (time_graph(lambda: y.copy_(x), reps=20) * 1e-3) / 1e12
+    del x, y
+    torch.cuda.empty_cache()
+    return tbs

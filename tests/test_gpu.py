@@ -81,7 +81,9 @@ def test_bf16_logits_match_transformers(setup, models):
 
 def hf_greedy(hf, prompt, stop_ids, pad_id, cache=True):
     if cache:
+        # Plain greedy: the checkpoint's generation_config.json (Qwen's) would add repetition_penalty 1.1.
         out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW, do_sample=False,
+                          repetition_penalty=1.0, top_k=None, top_p=None, temperature=None,
                           eos_token_id=list(stop_ids), pad_token_id=pad_id)[0, len(prompt):].tolist()
     else:  # transformers' own forward, no cache: the same computation our reference generate does
         ids, out = list(prompt), []

@@ -1,0 +1,92 @@
+"""Full Dr. GRPO steps on a random-initialised Qwen2.5-0.5B: seconds per phase, rollout's share, and the
+update's memory with chunked log-probs vs full logits.
+
+    python bench/train_step.py --model-dir /tmp/rand05b --data ../shared/data [--attn triton,sdpa]
+
+Random weights never solve a GSM8K problem, so with the real reward every group has zero spread and
+the trainer (rightly) skips the update. To time every phase at the real sizes, the GSM8K prompts are
+scored here by a stand-in reward, the parity of the completion's token sum: about half the samples of
+a group score 1, so every group trains. Timing does not depend on what the reward values are.
+Settings: 8 prompts x 8 samples x 256 new tokens, K=2, beta=0.04 (as train.py flags). JSON to $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train as train_cli  # noqa: E402
+from minigrpo.rollout import make_backend  # noqa: E402
+from minigrpo.trainer import Trainer  # noqa: E402
+
+
+class StandInReward:
+    """The GSM8K task's prompts, scored by the parity of the completion's token ids (see module doc)."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def __len__(self):
+        return len(self.task)
+
+    def prompt(self, i):
+        return self.task.prompt(i)
+
+    def score(self, i, completion_ids):
+        return float(sum(completion_ids) % 2 == 0), False
+
+    def describe(self, i):
+        return self.task.describe(i)
+
+
+def run(attn: str, args, chunk: int, out: Path) -> list[dict]:
+    cli = train_cli.parse_args([
+        "--model-dir", args.model_dir, "--train-data", f"{args.data}/gsm8k/train.jsonl", "--device", args.device,
+        "--attn", attn, "-B", "8", "-G", "8", "--max-new-tokens", "256", "-K", "2", "--beta", "0.04",
+        "--steps", str(args.steps), "--eval-every", "0", "--save-every", "0", "--sample-every", "0",
+        "--logprob-chunk-size", str(chunk), "--out", str(out), *args.extra])
+    model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli)
+    backend = make_backend(attn, model, pad_id=tokenizer.pad_id, compile=cli.compile,
+                           cuda_graphs=cli.cuda_graphs, max_seq_len=train_cli.max_seq_len(cli, task, None))
+    trainer = Trainer(cli.cfg, model, tokenizer, StandInReward(task), backend, out, tokenizer_dir=model_dir)
+    rows = [trainer.step() for _ in range(args.steps)]
+    del trainer, backend, model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--data", required=True, help="folder holding gsm8k/train.jsonl")
+    p.add_argument("--attn", default="triton,sdpa")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--steps", type=int, default=2, help="steps per backend; the last one is reported")
+    p.add_argument("--full-logits", action="store_true", help="also one run with unchunked log-probs")
+    p.add_argument("extra", nargs="*", help="more train.py flags (after --)")
+    args = p.parse_args()
+    out = Path(os.environ.get("OUT", "."))
+    keys = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_sync", "time_step",
+            "rollout_tokens_per_s", "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb",
+            "trained_rows", "loss", "kl", "clip_frac", "grad_norm", "logp_diff_mean", "logp_diff_max")
+    result = {}
+    runs = [(a, 1024) for a in args.attn.split(",")] + ([("triton", 1 << 30)] if args.full_logits else [])
+    for attn, chunk in runs:
+        name = f"{attn}_chunk{chunk}" if chunk != 1024 else attn
+        last = run(attn, args, chunk, out / f"train_{name}")[-1]
+        row = {k: last[k] for k in keys if k in last}
+        row["rollout_share"] = last["time_rollout"] / last["time_step"]
+        result[name] = row
+        print(name, json.dumps(row), flush=True)
+    (out / "train_step.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -39,28 +39,29 @@ class SamplingParams:
 
 GREEDY = SamplingParams(temperature=0.0)
 
-_M32 = 0xFFFFFFFF
+_M31 = 0x7FFFFFFF
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2^32).
+def _mix31(x: torch.Tensor) -> torch.Tensor:
+    """An integer hash on int64 tensors holding values in [0, 2^31) (lowbias32's shape, 31-bit constants).
 
-    Every product stays below 2^63, so nothing overflows: the result is the same in eager PyTorch, in
-    Inductor's C++ and Triton code, on any device (signed overflow would be undefined behaviour there)."""
+    Every product stays below 2^62 and every literal fits in int32, so the arithmetic is exact and the
+    same in eager PyTorch and in Inductor's C++ and Triton code, whatever index width Inductor picks
+    (signed overflow would be undefined behaviour there, and Triton rejects wider literals in int32 math)."""
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
+    x = (x * 0x7FEB352D) & _M31
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
+    x = (x * 0x5BD1E995) & _M31
     return x ^ (x >> 16)
 
 
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform (0, 1) noise, a pure function of (seed, counter, vocab index). (B,), (B,) -> (B, V) fp32."""
     idx = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)          # (V,)
-    key = _mix32((_mix32(seeds.long() & _M32) + counters.long()) & _M32)             # (B,)
-    bits = _mix32(key[:, None] ^ ((idx * 0x9E3779B9) & _M32))                         # (B, V)
-    # 24 random bits -> (0, 1), never exactly 0 or 1, so the Gumbel transform stays finite.
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    key = _mix31((_mix31(seeds.long() & _M31) + counters.long()) & _M31)             # (B,)
+    bits = _mix31(_mix31(key[:, None] ^ idx))                                         # (B, V)
+    # The top 24 of 31 random bits -> (0, 1), never exactly 0 or 1, so the Gumbel transform stays finite.
+    return ((bits >> 7).float() + 0.5) * (1.0 / (1 << 24))
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

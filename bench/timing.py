@@ -6,18 +6,12 @@ import statistics
 
 import torch
 
+from minigrpo.engine import capture_graph
+
 
 def time_graph(fn, reps: int = 50) -> float:
     """Median ms of one call of fn, captured in a CUDA graph and replayed (host launch overhead excluded)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture_graph(fn, warmup=3)
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -162,22 +162,28 @@ class StepRunner:
                     tail()
 
     def _capture(self, unit) -> torch.cuda.CUDAGraph:
-        """Warm up (compiling if asked) and capture one step. Done with every slot marked done, so the
-        warm-up steps store nothing and move no live sequence; the live state is restored after."""
+        """Capture one step with every slot marked done, so the warm-up steps store nothing and move no
+        live sequence; the live state is restored after."""
         saved = self.state.snapshot()
         self.state.done.fill_(True)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                unit()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            unit()
+        graph = capture_graph(unit, self._pool)
         self._pool = graph.pool()
         self.state.restore(saved)
         return graph
+
+
+def capture_graph(fn, pool=None, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """Run fn a few times on a side stream (compiling, autotuning, allocating), then capture one call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph
 
 
 class Engine:
@@ -245,9 +251,10 @@ class Engine:
             if admitted:
                 self._prefill(admitted, prompts, G, max_new_tokens, params, seeds, seq_pages, slot_seq)
             n = len(slot_seq)
-            if not bool(st.done[:n].all()):
-                self.runner.run(self._bucket(n), params, cfg.sync_every)
-            done = st.done[:n].tolist()                                   # the host sync
+            # Even if every slot is already done (first tokens were stops) the steps are harmless: done slots
+            # store nothing. Checking first would cost a second host sync per round.
+            self.runner.run(self._bucket(n), params, cfg.sync_every)
+            done = st.done[:n].tolist()                                   # the one host sync per round
             finished = [i for i in range(n) if done[i]]
             if finished:
                 idx = torch.tensor(finished, device=self.device)

@@ -3,6 +3,7 @@
     python train.py                                  # Qwen2.5-0.5B-Instruct on GSM8K, fast engine on CUDA
     python train.py --preset smoke                   # CPU, tiny random model, synthetic task, ~1 minute
     python train.py --out runs/a --resume            # continue runs/a from its newest checkpoint, exactly
+    torchrun --nproc-per-node 4 train.py -B 32       # data parallel: 8 prompts per rank, DDP update
 
 Defaults follow the Dr. GRPO recipe (Liu et al. 2025, "Understanding R1-Zero-Like Training"): G = 8
 samples per prompt, temperature 1.0, lr 1e-6 with constant schedule, clip eps 0.2, one on-policy update per
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minigrpo import distributed
 from minigrpo.rollout import ATTN_BACKENDS, make_backend
 from minigrpo.trainer import Trainer, TrainConfig
 
@@ -196,20 +198,33 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     try:
+        dist, args.device = distributed.init_from_env(args.device)  # torchrun: one GPU (or CPU share) per rank
+    except (ValueError, RuntimeError) as e:
+        print(f"error: cannot join the torchrun process group: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _train(args, dist, out)
+    finally:
+        distributed.shutdown(dist)
+
+
+def _train(args, dist, out: Path) -> int:
+    try:
         model, tokenizer, train, test, model_dir = (build_smoke if args.preset == "smoke" else build_gsm8k)(args)
         backend = make_backend(args.attn, model, pad_id=tokenizer.pad_id, compile=args.compile,
                                cuda_graphs=args.cuda_graphs, max_seq_len=max_seq_len(args, train, test))
         # Built before resuming: with --beta > 0 the KL reference is the initial policy, not the checkpoint.
         trainer = Trainer(args.cfg, model, tokenizer, train, backend, out, eval_task=test,
-                          tokenizer_dir=model_dir, tensorboard=args.tensorboard)
+                          tokenizer_dir=model_dir, tensorboard=args.tensorboard, dist=dist)
         if args.resume is not None:
             trainer.resume(args.resume or out)
-            print(f"resumed from step {trainer.step_idx}", file=sys.stderr)
+            if dist.is_main:
+                print(f"resumed from step {trainer.step_idx}", file=sys.stderr)
     except (OSError, ValueError, RuntimeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     history = trainer.run()
-    if history:
+    if history and dist.is_main:
         first, last = history[0], history[-1]
         print(f"done: {len(history)} steps, reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}; "
               f"metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")

@@ -13,13 +13,16 @@ One step (`Trainer.step`):
                so dropping them is a pure saving: the gradient is exactly the full minibatch's.
   6. sync      the backend's weights are refreshed from the policy (`load_weights`), timed
 The LR (linear warmup, then constant or cosine) is a function of the step number: no scheduler state.
+Data parallel (torchrun, `dist`): each rank rolls out its block of the B prompts and the update runs
+through DDP; the math is the single-process step's (distributed.py). Step metrics are over all ranks.
 All randomness is derived from (seed, step, ...) on the spot, never from a global generator, so a
 resumed run reproduces an uninterrupted one.
 
 Precision: fp32 master weights and AdamW state. On CUDA the policy forward runs under bf16 autocast
 (tensor cores) and the LM head in bf16 with fp32 softmax (sequences.completion_logprobs); on CPU, fp32.
 
-Shape legend: B prompts per step, G samples per prompt, N = B*G rows, n kept rows, C completion length.
+Shape legend: B prompts per step, G samples per prompt, N = B*G rows, R = N/W rows of each of W ranks,
+n kept rows (of this rank), C completion length.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 from minigrpo.data import EpochSampler
+from minigrpo.distributed import Dist, GradSync
 from minigrpo.evaluate import evaluate
 from minigrpo.grpo import dr_grpo_loss, group_advantages, nonzero_groups
 from minigrpo.metrics import MetricsLogger
@@ -150,7 +154,7 @@ class _PhaseTimer:
 class Trainer:
     def __init__(self, cfg: TrainConfig, model, tokenizer, task, backend, out_dir: str | Path, *,
                  eval_task=None, tokenizer_dir: str | Path | None = None, tensorboard: bool = False,
-                 echo: bool = True):
+                 echo: bool = True, dist: Dist = Dist()):
         bad = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32"})
         if bad:
             raise ValueError(f"the policy must hold fp32 master weights, found {bad}; load it with "
@@ -166,7 +170,10 @@ class Trainer:
         self.ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.kl_beta > 0 else None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay, fused=self.device.type == "cuda")
-        self.sampler = EpochSampler(len(task), cfg.seed)
+        self.sampler = EpochSampler(len(task), cfg.seed)  # the global prompt order, the same on every rank
+        self.dist = dist
+        dist.shard(range(cfg.prompts_per_step), "prompts per step (-B)")  # fails now, not at step 1
+        self.policy = GradSync(model, self._logprobs, dist)  # the training forward (DDP when W > 1)
         self.step_idx = 0
         self.last_rollout: dict | None = None  # the latest step's prompts, completions and rewards
 
@@ -185,43 +192,50 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(dev)
         timer = _PhaseTimer(dev, ("rollout", "reward", "logprobs", "update", "sync"))
 
-        examples = self.sampler.next(B)
+        dist = self.dist  # W ranks; W = 1 without torchrun, where every dist call is the identity
+        examples = dist.shard(self.sampler.next(B))                    # this rank's b = B/W prompts
+        seeds = dist.shard(derive_seeds(cfg.seed, _ROLLOUT, self.step_idx, N))  # and their b*G seeds
         prompts = [self.task.prompt(i) for i in examples]
-        rollout = self.backend.generate(prompts, G, L, self.params, self.stop_ids,
-                                        derive_seeds(cfg.seed, _ROLLOUT, self.step_idx, N))
-        if len(rollout.tokens) != N:
-            raise RuntimeError(f"rollout backend returned {len(rollout.tokens)} completions, expected {N}")
+        rollout = self.backend.generate(prompts, G, L, self.params, self.stop_ids, seeds)
+        if len(rollout.tokens) != len(seeds):
+            raise RuntimeError(f"rollout backend returned {len(rollout.tokens)} completions, expected {len(seeds)}")
         timer.lap("rollout")
 
         scores = [self.task.score(examples[r // G], c) for r, c in enumerate(rollout.tokens)]
-        rewards = torch.tensor([s[0] for s in scores], dtype=torch.float32)              # (N,)
-        adv = group_advantages(rewards, G)                                               # (N,)
-        keep = nonzero_groups(adv, G)                                                    # (N,)
+        rewards = torch.tensor([s[0] for s in scores], dtype=torch.float32)              # (R,)
+        adv = group_advantages(rewards, G)                                               # (R,)
+        keep = nonzero_groups(adv, G)                                                    # (R,)
         kept = keep.nonzero().squeeze(1).tolist()
         self.last_rollout = {"examples": examples, "completions": rollout.tokens, "rewards": rewards.tolist()}
-        lens = [len(c) for c in rollout.tokens]
-        m = {"step": self.step_idx, "reward_mean": rewards.mean().item(), "reward_std": rewards.std(0).item(),
-             "accuracy": sum(s[1] for s in scores) / N, "zero_spread_frac": 1.0 - keep.float().mean().item(),
+        # Rollout statistics over all N rows: each rank's rows, gathered in rank (= global row) order.
+        stats = dist.gather(torch.tensor([[len(c), s[1], not set(c) & set(self.stop_ids)]
+                                          for c, s in zip(rollout.tokens, scores)], dtype=torch.int64))  # (N, 3)
+        all_rewards, all_keep = dist.gather(rewards), dist.gather(keep)                  # (N,), (N,)
+        lens = stats[:, 0].tolist()
+        m = {"step": self.step_idx, "reward_mean": all_rewards.mean().item(),
+             "reward_std": all_rewards.std(0).item(), "accuracy": int(stats[:, 1].sum()) / N,
+             "zero_spread_frac": 1.0 - all_keep.float().mean().item(),
              "completion_len_mean": sum(lens) / N, "completion_len_max": max(lens),
-             "truncated_frac": sum(not set(c) & set(self.stop_ids) for c in rollout.tokens) / N,
-             "trained_rows": len(kept), "lr": lr}
+             "truncated_frac": int(stats[:, 2].sum()) / N, "trained_rows": int(all_keep.sum()), "lr": lr}
         timer.lap("reward")
 
-        if kept:
-            batch = SequenceBatch.build([prompts[r // G] for r in kept], [rollout.tokens[r] for r in kept],
+        if m["trained_rows"]:  # a rank with no rows of its own still joins every gradient all-reduce
+            rows = kept or [0]  # a stand-in row, trained with zero weight (_update), when this rank has none
+            batch = SequenceBatch.build([prompts[r // G] for r in rows], [rollout.tokens[r] for r in rows],
                                         pad_id=self.pad_id, stop_ids=self.stop_ids, device=dev)
             old_logp, entropy = self._score(self.model, batch, return_entropy=True)      # (n, C) each
             ref_logp = self._score(self.ref, batch)[0] if self.ref is not None else None
-            sampled = pad_rows([rollout.logprobs[r] for r in kept], batch.C, dev)        # (n, C)
-            diff = (sampled - old_logp).abs() * batch.mask
-            tokens = batch.mask.sum()
-            m.update(entropy=((entropy * batch.mask).sum() / tokens).item(),
-                     logp_diff_mean=(diff.sum() / tokens).item(), logp_diff_max=diff.max().item())
+            sampled = pad_rows([rollout.logprobs[r] for r in rows], batch.C, dev)        # (n, C)
+            mask = batch.mask * bool(kept)
+            diff = (sampled - old_logp).abs() * mask
+            ent_sum, diff_sum, tokens = dist.sum(torch.stack([(entropy * mask).sum(), diff.sum(), mask.sum()]))
+            m.update(entropy=(ent_sum / tokens).item(), logp_diff_mean=(diff_sum / tokens).item(),
+                     logp_diff_max=dist.max(diff.max()).item())
             timer.lap("logprobs")
             if dev.type == "cuda":  # the update's own peak, above the resident weights and optimizer state
                 peak_before, resident = torch.cuda.max_memory_allocated(dev), torch.cuda.memory_allocated(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
-            m.update(self._update(batch, old_logp, ref_logp, adv[kept].to(dev), kept))
+            m.update(self._update(batch, old_logp, ref_logp, adv[rows].to(dev), kept, all_keep))
             timer.lap("update")
             if dev.type == "cuda":
                 update_peak = torch.cuda.max_memory_allocated(dev)
@@ -260,12 +274,17 @@ class Trainer:
                                    chunk_size=self.cfg.logprob_chunk_size, amp_dtype=self.amp_dtype,
                                    return_entropy=return_entropy)
 
-    def _update(self, batch, old_logp, ref_logp, adv, kept: list[int]) -> dict:
-        """K epochs of minibatch AdamW steps over the kept rows. adv (n,), old/ref_logp (n, C)."""
+    def _update(self, batch, old_logp, ref_logp, adv, kept: list[int], all_keep: torch.Tensor) -> dict:
+        """K epochs of minibatch AdamW steps over the kept rows. adv (n,), old/ref_logp (n, C), all_keep (N,).
+
+        Minibatches are drawn from all ranks' rows, so the ranks take the same optimizer steps. A rank with
+        none of a minibatch's rows backwards a stand-in row at zero weight: DDP needs every rank's backward."""
         cfg = self.cfg
         N = cfg.prompts_per_step * cfg.samples_per_prompt
         M = cfg.minibatch_size or N
-        row_of = {r: j for j, r in enumerate(kept)}  # rollout row -> row of `batch`
+        offset = self.dist.rank * (N // self.dist.world)  # global index of this rank's first rollout row
+        row_of = {offset + r: j for j, r in enumerate(kept)}  # global rollout row -> row of `batch`
+        scale = self.policy.loss_scale
         params = [p for p in self.model.parameters() if p.requires_grad]
         zero = torch.zeros((), device=self.device)
         loss_sum, clip_sum, kl_sum, tok_sum = zero.clone(), zero.clone(), zero.clone(), zero.clone()
@@ -273,20 +292,23 @@ class Trainer:
         for epoch in range(cfg.inner_epochs):
             order = np.random.default_rng([cfg.seed, _SHUFFLE, self.step_idx, epoch]).permutation(N).tolist()
             for start in range(0, N, M):
-                rows = [row_of[r] for r in order[start:start + M] if r in row_of]
-                if not rows:  # every row of this minibatch is in a zero-advantage group: nothing to learn
+                if not all_keep[order[start:start + M]].any():  # only zero-advantage groups: nothing to learn
                     continue
+                rows = [row_of[r] for r in order[start:start + M] if r in row_of]
+                micro = [rows[u:u + cfg.micro_batch_size] for u in range(0, len(rows), cfg.micro_batch_size)]
                 self.optimizer.zero_grad(set_to_none=True)
-                for u in range(0, len(rows), cfg.micro_batch_size):
-                    sub = rows[u:u + cfg.micro_batch_size]
+                for u, sub in enumerate(micro or [[0]]):  # [[0]]: the zero-weight stand-in (docstring)
                     mb = batch.select(sub)
                     idx = torch.tensor(sub, device=self.device)
-                    logp = self._logprobs(self.model, mb)                                # (m, C')
-                    loss, stats = dr_grpo_loss(
-                        logp, old_logp[idx, :mb.C], adv[idx], mb.mask, eps_low=cfg.eps, eps_high=cfg.eps_high,
-                        ref_logp=ref_logp[idx, :mb.C] if ref_logp is not None else None, beta=cfg.kl_beta,
-                        max_new_tokens=cfg.max_new_tokens, num_sequences=M)
-                    loss.backward()
+                    with self.policy.accumulate(last=u == max(len(micro), 1) - 1):  # all-reduce on the last
+                        logp = self.policy(mb)                                           # (m, C')
+                        loss, stats = dr_grpo_loss(
+                            logp, old_logp[idx, :mb.C], adv[idx], mb.mask, eps_low=cfg.eps, eps_high=cfg.eps_high,
+                            ref_logp=ref_logp[idx, :mb.C] if ref_logp is not None else None, beta=cfg.kl_beta,
+                            max_new_tokens=cfg.max_new_tokens, num_sequences=M)
+                        (loss * (scale if micro else 0.0)).backward()  # x 1.0 is exact: W=1 is unchanged
+                    if not micro:
+                        continue
                     ntok = mb.mask.sum()
                     loss_sum += loss.detach()
                     clip_sum += stats["clip_frac"] * ntok
@@ -300,6 +322,7 @@ class Trainer:
                     skipped_nonfinite += 1
                 self.optimizer.zero_grad(set_to_none=True)
         n_steps = max(1, len(norms) + skipped_nonfinite)
+        loss_sum, clip_sum, kl_sum, tok_sum = self.dist.sum(torch.stack([loss_sum, clip_sum, kl_sum, tok_sum]))
         out = {"loss": (loss_sum / n_steps).item(), "clip_frac": (clip_sum / tok_sum.clamp(min=1)).item(),
                "grad_norm": torch.stack(norms).mean().item() if norms else None,
                "optimizer_steps": len(norms)}
@@ -319,22 +342,25 @@ class Trainer:
 
     def run(self) -> list[dict]:
         """Train until cfg.steps, logging, evaluating and checkpointing on schedule. Returns the step records."""
-        cfg = self.cfg
+        cfg, main = self.cfg, self.dist.is_main  # rank 0 alone evaluates, logs and saves
         logger = MetricsLogger(self.out_dir, tensorboard=self.tensorboard, echo=self.echo,
-                               resume_step=self.step_idx if self.step_idx else None)
+                               resume_step=self.step_idx if self.step_idx else None) if main else None
+        evaluating = main and self.eval_task is not None and cfg.eval_every
         history = []
         try:
-            if self.eval_task is not None and cfg.eval_every and self.step_idx == 0:
+            if evaluating and self.step_idx == 0:
                 logger.log({"step": 0, **self.evaluate()})
-            bar = tqdm(total=cfg.steps, initial=self.step_idx, desc="train", unit="step", disable=None)
+            bar = tqdm(total=cfg.steps, initial=self.step_idx, desc="train", unit="step",
+                       disable=None if main else True)
             while self.step_idx < cfg.steps:
                 m = self.step()
                 done = self.step_idx == cfg.steps
-                if self.eval_task is not None and cfg.eval_every and (self.step_idx % cfg.eval_every == 0 or done):
+                if evaluating and (self.step_idx % cfg.eval_every == 0 or done):
                     m.update(self.evaluate())
-                if cfg.sample_every and self.step_idx % cfg.sample_every == 0:
+                if main and cfg.sample_every and self.step_idx % cfg.sample_every == 0:
                     logger.log_samples(self.step_idx, self._samples())
-                logger.log(m)
+                if main:
+                    logger.log(m)
                 history.append(m)
                 if (cfg.save_every and self.step_idx % cfg.save_every == 0) or done:
                     self.save()
@@ -342,7 +368,8 @@ class Trainer:
                 bar.update()
             bar.close()
         finally:
-            logger.close()
+            if logger is not None:
+                logger.close()
         return history
 
     def _samples(self) -> list[dict]:
@@ -358,10 +385,14 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- checkpoints
 
     def save(self) -> Path:
+        """Rank 0 writes the checkpoint (the state is replicated); the others wait until it is complete."""
         state = {"config": asdict(self.cfg), "optimizer": self.optimizer.state_dict(),
                  "sampler": self.sampler.state_dict()}
-        return save_checkpoint(self.out_dir / "checkpoints", self.step_idx, self.model, state,
-                               tokenizer_dir=self.tokenizer_dir, keep=self.cfg.keep_checkpoints)
+        if self.dist.is_main:
+            save_checkpoint(self.out_dir / "checkpoints", self.step_idx, self.model, state,
+                            tokenizer_dir=self.tokenizer_dir, keep=self.cfg.keep_checkpoints)
+        self.dist.barrier()
+        return self.out_dir / "checkpoints" / f"step_{self.step_idx:06d}"
 
     def resume(self, path: str | Path) -> None:
         """Continue from a checkpoint (its directory, or a run directory: the newest one there)."""

@@ -1,0 +1,142 @@
+"""Data-parallel plumbing for `torchrun --nproc-per-node N train.py ...`: process group, sharding, reductions.
+
+The design keeps a data-parallel run a pure re-partitioning of the single-process step:
+  - every rank keeps the full `EpochSampler` and derives the full list of B*G rollout seeds, then takes its
+    contiguous block of B/W prompts (and their G*B/W seeds). Groups never span ranks, so advantages stay
+    local, and the union of the ranks' rollouts is exactly the single-process rollout (sampling is
+    counter-based per sequence seed).
+  - the update goes through PyTorch DDP, which *averages* gradients over ranks. Each rank scales its loss by
+    W, so the average is the sum of the ranks' parts of the Dr. GRPO loss normalised by the full minibatch
+    (M rows x max_new_tokens): the same gradient as the single-process step.
+  - all replicated state (weights, AdamW state, sampler position) is identical on every rank, so rank 0
+    alone writes checkpoints, and a checkpoint resumes under any world size that divides B.
+
+`Dist()` (world 1) is the single-process case: every helper is the identity and nothing touches
+torch.distributed, so a run without torchrun's environment behaves exactly as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as tdist
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: str = "cpu"  # where collectives run: NCCL only moves CUDA tensors, gloo CPU ones
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, items, what: str = "items"):
+        """This rank's contiguous block of `items`, a list or range whose length W divides."""
+        if len(items) % self.world:
+            raise ValueError(f"cannot split the {len(items)} {what} evenly over {self.world} ranks: "
+                             f"use a multiple of {self.world}, or --nproc-per-node dividing {len(items)}")
+        n = len(items) // self.world
+        return items[self.rank * n:(self.rank + 1) * n]
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's equal-shaped tensor along dim 0, in rank order. (n, ...) -> (W*n, ...)"""
+        if self.world == 1:
+            return t
+        x = t.to(self.device).contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        tdist.all_gather(parts, x)
+        return torch.cat(parts).to(t.device)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(t, tdist.ReduceOp.SUM)
+
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(t, tdist.ReduceOp.MAX)
+
+    def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        if self.world == 1:
+            return t
+        x = t.to(self.device, copy=True)
+        tdist.all_reduce(x, op=op)
+        return x.to(t.device)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            tdist.barrier()
+
+
+def init_from_env(device: str) -> tuple[Dist, str]:
+    """Join torchrun's process group (gloo on CPU, nccl on CUDA) if its environment is set.
+
+    Returns (dist, device): on CUDA each rank takes the GPU of its LOCAL_RANK. Without torchrun (or with
+    WORLD_SIZE=1) it returns Dist() and the device unchanged, and creates no process group.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist(), device
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda:
+        if torch.cuda.device_count() <= local_rank:
+            raise RuntimeError(f"rank {rank} needs GPU {local_rank} but only {torch.cuda.device_count()} are "
+                               f"visible; use --nproc-per-node <= the GPU count")
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    tdist.init_process_group("nccl" if on_cuda else "gloo", rank=rank, world_size=world,
+                             timeout=timedelta(minutes=30))  # rank 0 evaluates alone: others wait for it
+    return Dist(rank, world, local_rank, device if on_cuda else "cpu"), device
+
+
+def shutdown(dist: Dist) -> None:
+    if dist.world > 1 and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+class _Forward(torch.nn.Module):
+    """Makes `fn(model, batch)` the forward of a module, so DDP sees (and syncs the grads of) the
+    trainer's log-prob computation, which calls model.hidden_states and the LM head, not model.forward."""
+
+    def __init__(self, model: torch.nn.Module, fn):
+        super().__init__()
+        self.model, self.fn = model, fn
+
+    def forward(self, batch):
+        return self.fn(self.model, batch)
+
+
+class GradSync:
+    """The policy's training forward, with gradient accumulation that all-reduces once per optimizer step.
+
+    For each micro-batch, run `policy(batch)` and the backward of its loss (times `loss_scale`) inside
+    `policy.accumulate(last)`: only the last micro-batch's backward all-reduces (DDP's no_sync for the
+    others). Every rank must make one last=True backward per optimizer step, so a rank without rows of its
+    own in a minibatch backwards a stand-in row at zero weight (Trainer._update). With W = 1 this is the
+    plain forward and plain backward.
+    """
+
+    def __init__(self, model: torch.nn.Module, fn, dist: Dist):
+        self.dist = dist
+        module = _Forward(model, fn)
+        # DDP broadcasts rank 0's weights here: the ranks start identical even if their inits differed.
+        self.module = DistributedDataParallel(module) if dist.world > 1 else module
+
+    def accumulate(self, last: bool):
+        if self.dist.world == 1 or last:
+            return contextlib.nullcontext()
+        return self.module.no_sync()
+
+    def __call__(self, batch):
+        return self.module(batch)
+
+    @property
+    def loss_scale(self) -> float:
+        """DDP averages gradients over ranks; the Dr. GRPO loss is a sum over the minibatch's rows."""
+        return float(self.dist.world)

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "that decode attention (default: triton on CUDA, reference on CPU)")
     g.add_argument("--compile", choices=["none", "step"], default="none",
                    help="engine graph mode: torch.compile the decode step, or not")
+    g.add_argument("--sampler", choices=["torch", "triton"], default="torch",
+                   help="engine sampler: the reference PyTorch one, or the fused one-pass Triton kernel "
+                        "(plain temperature sampling; same draws)")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the engine's decode step in CUDA graphs (default: on with CUDA)")
     g = p.add_argument_group("Dr. GRPO")
@@ -212,7 +215,8 @@ def _train(args, dist, out: Path) -> int:
     try:
         model, tokenizer, train, test, model_dir = (build_smoke if args.preset == "smoke" else build_gsm8k)(args)
         backend = make_backend(args.attn, model, pad_id=tokenizer.pad_id, compile=args.compile,
-                               cuda_graphs=args.cuda_graphs, max_seq_len=max_seq_len(args, train, test))
+                               cuda_graphs=args.cuda_graphs, max_seq_len=max_seq_len(args, train, test),
+                               sampler=args.sampler)
         # Built before resuming: with --beta > 0 the KL reference is the initial policy, not the checkpoint.
         trainer = Trainer(args.cfg, model, tokenizer, train, backend, out, eval_task=test,
                           tokenizer_dir=model_dir, tensorboard=args.tensorboard, dist=dist)

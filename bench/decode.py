@@ -69,12 +69,13 @@ def bandwidth_floor_ms(engine: Engine, B: int, mean_ctx: float, copy_tbs: float)
     return (weight_bytes + kv_bytes) / (copy_tbs * 1e12) * 1e3
 
 
-def run_engine(model, prompts, G, new, attn, mode, page_size) -> dict:
+def run_engine(model, prompts, G, new, attn, mode, page_size, sampler) -> dict:
     comp, graphs = MODES[mode]
     N = len(prompts) * G
     max_len = -(-(max(len(p) for p in prompts) + new) // 64) * 64
     cfg = EngineConfig(attn=attn, compile=comp, cuda_graphs=graphs, max_batch=N, buckets=(N,),
-                       max_seq_len=max_len, page_size=page_size, kv_pages=N * (max_len // page_size + 1) + 1)
+                       max_seq_len=max_len, page_size=page_size, kv_pages=N * (max_len // page_size + 1) + 1,
+                       sampler=sampler)
     engine = Engine(model.config, cfg, device="cuda")
     engine.load_weights(model)
     t0 = time.perf_counter()
@@ -131,7 +132,8 @@ def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
                                   for i in range(len(kv.k))])
     logits = torch.randn(B, m.cfg.vocab_size, device="cuda", dtype=m.embed.dtype)
     adv = torch.compile(advance, fullgraph=True) if engine.cfg.compile == "step" else advance
-    sample_ms = time_graph(lambda: adv(logits, SAMPLING, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp))
+    sample_ms = time_graph(lambda: adv(logits, SAMPLING, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp,
+                                       engine.cfg.sampler))
     st.done.fill_(True)
     rest = full - matmul_ms - lm_head_ms - attn_ms - sample_ms
     parts = dict(matmuls=matmul_ms, attention=attn_ms, norms_rope_kvstore_rest=rest, lm_head=lm_head_ms,
@@ -181,7 +183,7 @@ def step_report(engine: Engine, B: int) -> dict:
     st, kv, m, attn = engine.state, engine.kv, engine.model, engine.cfg.attn
     row = {}
     if engine.cfg.compile == "step":
-        explain = torch._dynamo.explain(decode_step)(m, attn, SAMPLING, *st.args(B), kv.k, kv.v)
+        explain = torch._dynamo.explain(decode_step)(m, attn, SAMPLING, *st.args(B), kv.k, kv.v, engine.cfg.sampler)
         row.update(graphs=explain.graph_count, graph_breaks=explain.graph_break_count,
                    break_reasons=[str(b.reason) for b in explain.break_reasons])
     unit, tail = engine.runner.units(B, SAMPLING)
@@ -196,14 +198,14 @@ def step_report(engine: Engine, B: int) -> dict:
     return row
 
 
-def report(model, prompts, attns, modes) -> list[dict]:
+def report(model, prompts, attns, modes, sampler) -> list[dict]:
     """--report: step_report per backend and mode at 8 sequences, no timing."""
     rows = []
     for attn in attns:
         for mode in modes:
             comp, graphs = MODES[mode]
             cfg = EngineConfig(attn=attn, compile=comp, cuda_graphs=graphs, max_batch=8, buckets=(8,),
-                               max_seq_len=512, kv_pages=8 * 33 + 1)
+                               max_seq_len=512, kv_pages=8 * 33 + 1, sampler=sampler)
             engine = Engine(model.config, cfg, device="cuda")
             engine.load_weights(model)
             engine.generate(prompts[:8], 1, 4, SAMPLING)
@@ -219,6 +221,8 @@ def main():
     p.add_argument("--attn", default="eager,sdpa,triton", help="backends, comma-separated")
     p.add_argument("--modes", default="none,graphs,step,step+graphs", help=f"of {list(MODES)}")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--sampler", choices=["torch", "triton"], default="torch",
+                   help="torch: the reference sampler; triton: the fused one-pass kernel")
     p.add_argument("--no-peers", action="store_true", help="skip HF generate")
     p.add_argument("--report", action="store_true", help="graph / graph-break / kernel-launch report only")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for decode.json")
@@ -227,10 +231,11 @@ def main():
     model = random_qwen()
     _, all_prompts = gsm8k_prompts(max(int(w.split("x")[0]) for w in args.workloads.split(",")))
     attns = args.attn.split(",")
-    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bandwidth_tbs())
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bandwidth_tbs(),
+                  sampler=args.sampler)
     out = Path(args.out) / ("decode_report.json" if args.report else "decode.json")
     if args.report:
-        result["report"] = report(model, all_prompts, attns, args.modes.split(","))
+        result["report"] = report(model, all_prompts, attns, args.modes.split(","), args.sampler)
         out.write_text(json.dumps(result, indent=1))
         return
     result["workloads"] = []
@@ -241,7 +246,7 @@ def main():
         for attn in attns:
             for mode in args.modes.split(","):
                 try:
-                    r = run_engine(model, prompts, G, args.new, attn, mode, args.page_size)
+                    r = run_engine(model, prompts, G, args.new, attn, mode, args.page_size, args.sampler)
                     engine = r.pop("engine")
                     if best is None or r["ms_per_step"] < best[1]["ms_per_step"]:
                         best = (engine, dict(r, attn=attn, mode=mode))

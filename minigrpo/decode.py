@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels  # noqa: F401  (registers torch.ops.minigrpo.*)
 from minigrpo.attention import decode_attention, rope_store
 from minigrpo.config import ModelConfig
 from minigrpo.model import Qwen2ForCausalLM, apply_rope, rms_norm, rope_cos_sin
@@ -132,14 +133,26 @@ class DecodeModel(nn.Module):
         return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)     # (B, V)
 
 
-def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp) -> None:
+SAMPLERS = ("torch", "triton")
+
+
+def sample_tokens(logits, params: SamplingParams, seed, ctr, sampler: str):
+    """The reference sampler, or for plain temperature sampling optionally the fused Triton kernel (the
+    same counter-based noise, one pass over the logits). -> tokens (B,), log-probs (B,)."""
+    if sampler == "triton" and not params.greedy and params.top_k == 0 and params.top_p == 1.0:
+        return torch.ops.minigrpo.gumbel_sample(logits, seed, ctr, params.temperature)
+    return sample(logits, params, seed, ctr)
+
+
+def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp,
+            sampler: str = "torch") -> None:
     """Sample each live slot's next token and update the slot state in place (no host sync).
 
     tok/pos/ctr/seed/limit (B,) int64, done (B,) bool, stops (n_stop,) int64, out_tok/out_logp (B, W).
     A finished slot keeps its state; its sample goes to the scratch column W-1.
     """
     live = ~done
-    new_tok, new_logp = sample(logits, params, seed, ctr)                           # (B,), (B,)
+    new_tok, new_logp = sample_tokens(logits, params, seed, ctr, sampler)           # (B,), (B,)
     col = torch.where(live, ctr, out_tok.shape[1] - 1)[:, None]                     # (B, 1)
     out_tok.scatter_(1, col, new_tok[:, None])
     out_logp.scatter_(1, col, new_logp[:, None])
@@ -151,7 +164,7 @@ def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, st
 
 
 def decode_step(model: DecodeModel, attn: str, params: SamplingParams, tok, pos, ctr, seed, limit, done,
-                stops, block_table, out_tok, out_logp, k_pools, v_pools) -> None:
+                stops, block_table, out_tok, out_logp, k_pools, v_pools, sampler: str = "torch") -> None:
     """The whole decode step: the unit `--compile step` compiles and CUDA graphs capture."""
     logits = model.decode_logits(attn, tok, pos, block_table, ~done, k_pools, v_pools)
-    advance(logits, params, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp)
+    advance(logits, params, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp, sampler)

@@ -34,11 +34,11 @@ import torch
 
 from minigrpo.attention import BACKENDS
 from minigrpo.config import ModelConfig
-from minigrpo.decode import DecodeModel, advance, decode_step
+from minigrpo.decode import SAMPLERS, DecodeModel, advance, decode_step, sample_tokens
 from minigrpo.generate import Rollout
 from minigrpo.kv_cache import SCRATCH_PAGE, KVCache, OutOfPages
 from minigrpo.model import Qwen2ForCausalLM
-from minigrpo.sampling import SamplingParams, sample
+from minigrpo.sampling import SamplingParams
 
 MAX_STOP_IDS = 8
 
@@ -49,6 +49,7 @@ class EngineConfig:
     compile: str = "none"           # none | step (torch.compile(fullgraph=True) over the whole decode step)
     cuda_graphs: bool = False       # capture the step per bucket and replay it
     sample_in_graph: bool = True    # sampling + bookkeeping inside the compiled / captured step
+    sampler: str = "torch"          # torch (reference) | triton (fused one-pass kernel, plain temperature)
     sync_every: int = 8             # decode steps between host syncs (stop detection, compaction)
     page_size: int = 16
     max_batch: int = 256            # largest bucket: sequences decoded at once
@@ -60,6 +61,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.attn not in BACKENDS:
             raise ValueError(f"attn must be one of {BACKENDS}, got {self.attn!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
         if self.compile not in ("none", "step"):
             raise ValueError(f"compile must be 'none' or 'step', got {self.compile!r}")
         if self.sync_every < 1 or self.max_batch < 1 or self.max_seq_len < 2:
@@ -135,7 +138,7 @@ class StepRunner:
         args = self.state.args(B)
         if self.cfg.sample_in_graph:
             step = self._compiled_step if self.cfg.compile == "step" else decode_step
-            return (lambda: step(m, attn, params, *args, kv.k, kv.v)), None
+            return (lambda: step(m, attn, params, *args, kv.k, kv.v, self.cfg.sampler)), None
         logits_fn = self._compiled_logits if self.cfg.compile == "step" else m.decode_logits
         tok, pos, ctr, seed, limit, done, stops, table, out_tok, out_logp = args
         box = {}  # after capture: the graph's static logits buffer, refreshed by every replay
@@ -144,7 +147,8 @@ class StepRunner:
             box["logits"] = logits_fn(attn, tok, pos, table, ~done, kv.k, kv.v)
 
         def tail():
-            advance(box["logits"], params, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp)
+            advance(box["logits"], params, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp,
+                    self.cfg.sampler)
         return forward, tail
 
     def run(self, B: int, params: SamplingParams, n_steps: int) -> None:
@@ -319,7 +323,8 @@ class Engine:
         seq_ids = [g * G + j for g in groups for j in range(G)]
         rows = torch.arange(len(slot_seq), len(slot_seq) + len(seq_ids), device=dev)
         seed = torch.tensor([seeds[s] for s in seq_ids], dtype=torch.int64, device=dev)
-        first, first_logp = sample(logits.repeat_interleave(G, 0), params, seed, torch.zeros_like(seed))
+        first, first_logp = sample_tokens(logits.repeat_interleave(G, 0), params, seed, torch.zeros_like(seed),
+                                          self.cfg.sampler)
         table = torch.full((len(seq_ids), st.block_table.shape[1]), SCRATCH_PAGE, dtype=torch.int32)
         for r, s in enumerate(seq_ids):
             table[r, :len(seq_pages[s])] = torch.tensor(seq_pages[s], dtype=torch.int32)

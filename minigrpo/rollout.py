@@ -66,7 +66,8 @@ class ReferenceBackend:
 
 
 def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: str = "none",
-                 cuda_graphs: bool | None = None, max_seq_len: int | None = None) -> RolloutBackend:
+                 cuda_graphs: bool | None = None, max_seq_len: int | None = None,
+                 sampler: str = "torch") -> RolloutBackend:
     """The rollout backend for `--attn`: the reference generator, or the fast engine with that attention.
 
     The engine holds bf16 weights on CUDA and fp32 on the CPU (where bf16 is slow and its rounding would
@@ -86,7 +87,7 @@ def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: st
     on_cuda = device.type == "cuda"
     extra = {"max_seq_len": max_seq_len} if max_seq_len is not None else {}
     cfg = EngineConfig(attn=attn, compile=compile, cuda_graphs=on_cuda if cuda_graphs is None else cuda_graphs,
-                       **extra)
+                       sampler=sampler, **extra)
     engine = Engine(model.config, cfg, device=device, dtype=torch.bfloat16 if on_cuda else torch.float32)
     engine.load_weights(model)
     return engine

@@ -65,6 +65,19 @@ def test_sampled_tokens_and_logprobs_equal_reference(model, prompts, attn):
     assert len({tuple(t) for t in out.tokens[:G]}) > 1  # samples of one prompt differ
 
 
+def test_fused_triton_sampler_draws_the_reference_samples(model, prompts):
+    # compile=step with Triton ops needs a GPU (Inductor cannot trace the CPU interpreter): tests/test_gpu.py.
+    compile_mode = "none"
+    params = SamplingParams(temperature=0.8)  # plain temperature: the fused kernel's case
+    seeds = list(range(7, 7 + len(prompts) * G))
+    ref = reference(model, prompts, params, seeds)
+    engine = make_engine(model, attn="sdpa", sampler="triton", compile=compile_mode)
+    out = engine.generate(prompts, G, 20, params, stop_ids=STOP, seeds=seeds)
+    assert out.tokens == ref.tokens
+    diff = max(abs(a - b) for x, y in zip(out.logprobs, ref.logprobs) for a, b in zip(x, y))
+    assert diff < 1e-4
+
+
 def test_group_shares_full_prompt_pages_and_frees_everything(model, prompts):
     engine = make_engine(model, attn="eager")
     S = engine.cfg.page_size
@@ -121,7 +134,8 @@ def test_bad_requests(model, kwargs, message):
 def test_decode_step_traces_with_zero_graph_breaks(model, attn):
     engine = make_engine(model, attn=attn)
     explain = torch._dynamo.explain(decode_step)(engine.model, attn, SamplingParams(1.0),
-                                                  *engine.state.args(8), engine.kv.k, engine.kv.v)
+                                                  *engine.state.args(8), engine.kv.k, engine.kv.v,
+                                                  "triton" if attn == "triton" else "torch")
     assert explain.graph_break_count == 0, explain.break_reasons
     assert explain.graph_count == 1
 

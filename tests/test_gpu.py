@@ -171,3 +171,23 @@ def test_engine_greedy_matches_reference_fp32(setup, models, attn, comp, graphs)
 def test_engine_greedy_bf16_diverges_only_at_near_ties(setup, models, attn, comp, graphs):
     same, gaps = engine_vs_reference(setup, models, torch.bfloat16, attn, comp, graphs)
     assert all(g < NEAR_TIE for g in gaps)
+
+
+@torch.no_grad()
+def test_fused_sampler_in_the_compiled_graph_draws_the_reference_samples(setup, models):
+    """fp32, plain temperature: the fused Triton sampler inside compile=step + CUDA graphs against the
+    eager reference sampler; the same counter-based noise, so the same draws except float-rounding ties."""
+    from minigrpo.sampling import SamplingParams
+    tok, prompts = setup
+    ours = models["ours"][torch.float32]
+    params, seeds = SamplingParams(temperature=1.0), list(range(100, 100 + 2 * len(prompts)))
+    runs = {}
+    for name, cfg in (("fused", dict(attn="triton", compile="step", cuda_graphs=True, sampler="triton")),
+                      ("reference", dict(attn="sdpa", compile="none", cuda_graphs=False, sampler="torch"))):
+        engine = Engine(ours.config, EngineConfig(max_batch=16, max_seq_len=512, kv_pages=1024, **cfg),
+                        device="cuda", dtype=torch.float32)
+        engine.load_weights(ours)
+        runs[name] = engine.generate(prompts, 2, NEW, params, stop_ids=tok.stop_ids, seeds=seeds).tokens
+    same = sum(a == b for a, b in zip(runs["fused"], runs["reference"]))
+    record("fused_sampler_vs_reference", identical=same, of=len(seeds))
+    assert same >= len(seeds) - 1

@@ -278,3 +278,29 @@ def test_compiled_ops_do_not_copy_the_pool():
     assert extra < pool_bytes // 4, f"compiled step allocated {extra / 2**20:.1f} MiB: a pool was copied"
     row = k_pool.view(-1, Hkv, D)[slots.long()]                          # the rotated k landed in place
     assert not torch.equal(row, torch.zeros_like(row)) and row.isfinite().all()
+
+
+# --- fused Gumbel-max sampler -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_gumbel_sample_kernel_draws_what_the_reference_draws(dtype, temperature):
+    from minigrpo.sampling import SamplingParams, sample
+    g = torch.Generator().manual_seed(7)
+    B, V = 6, 5000                                     # V not a multiple of the kernel's block
+    logits = (3 * torch.randn(B, V, generator=g)).to(dtype).to(DEVICE)
+    seeds = torch.tensor([11, 12, 13, 14, 15, 16], device=DEVICE)
+    ctr = torch.tensor([0, 1, 2, 3, 40, 500], device=DEVICE)
+    tok, logp = torch.ops.minigrpo.gumbel_sample(logits, seeds, ctr, temperature)
+    ref_tok, ref_logp = sample(logits, SamplingParams(temperature=temperature), seeds, ctr)
+    assert torch.equal(tok, ref_tok)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=1e-5)
+
+
+def test_gumbel_sample_kernel_rejects_bad_input():
+    logits = torch.randn(2, 10, device=DEVICE)
+    seeds = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        torch.ops.minigrpo.gumbel_sample(logits, seeds, seeds, 0.0)
+    with pytest.raises(ValueError, match="seeds and counters must be int64"):
+        torch.ops.minigrpo.gumbel_sample(logits, seeds.int(), seeds, 1.0)

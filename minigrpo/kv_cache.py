@@ -12,7 +12,7 @@ block-table entries point at, so a static-shape decode step never needs a branch
 The allocator lives on the host (plain lists): pages are handed out when sequences are admitted, between
 decode steps, never inside the captured step.
 
-Shape legend: L layers, P pages, S page size (token slots per page), K kv heads, D head dim.
+Shape legend: L layers, P pages, S page size (token slots per page), K kv heads, D head dim, N tokens.
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ class KVCache:
             raise ValueError(f"page_size must be a power of two, got {page_size}")
         if num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is scratch), got {num_pages}")
-        shape = (cfg.num_hidden_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)   # (L, P, S, K, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)   # (L, P, S, K, D)
+        shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        # One pool per layer, each its own allocation: the decode step mutates whole graph inputs, never views
+        # of a larger tensor, so torch.compile can write in place rather than copy a functionalised base.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]  # L x (P, S, K, D)
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]  # L x (P, S, K, D)
         self.page_size = page_size
         self.num_pages = num_pages
         self._refs = [0] * num_pages
@@ -85,12 +87,18 @@ class KVCache:
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one page's K and V, all layers (a group's partial prompt page into a sample's own page)."""
-        self.k[:, dst].copy_(self.k[:, src])
-        self.v[:, dst].copy_(self.v[:, src])
+        for pool in self.k + self.v:
+            pool[dst].copy_(pool[src])
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V of N tokens at flat slots (page * S + offset). slots (N,) int64, k/v (N, K, D)."""
-        assert slots.dim() == 1 and k.shape == v.shape and k.shape[0] == slots.shape[0], "cache write shapes"
-        assert k.dtype == self.k.dtype, f"cache holds {self.k.dtype}, got {k.dtype}"
-        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+def write_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> None:
+    """Store the K/V of N tokens of one layer at flat slots (page * S + offset).
+
+    k_pool/v_pool (P, S, K, D) contiguous; slots (N,) int64; k/v (N, K, D) in the pool's dtype."""
+    assert k_pool.is_contiguous() and v_pool.is_contiguous(), "KV pools must be contiguous (P, S, K, D)"
+    assert slots.dim() == 1 and k.shape == v.shape == (slots.shape[0], *k_pool.shape[2:]), \
+        f"cache write: slots {tuple(slots.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, pool {tuple(k_pool.shape)}"
+    assert k.dtype == v.dtype == k_pool.dtype, f"cache holds {k_pool.dtype}, got {k.dtype} / {v.dtype}"
+    k_pool.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+    v_pool.view(-1, *v.shape[1:]).index_copy_(0, slots, v)

@@ -1,4 +1,4 @@
-"""Paged KV cache: one preallocated K pool and one V pool for all layers, and a page allocator.
+"""Paged KV cache: preallocated K and V pools (one (P, S, K, D) tensor per layer) and a page allocator.
 
 Memory is cut into pages of `page_size` token slots. A sequence owns a list of pages (its block table);
 attention reads its keys and values through that list, so sequences need no contiguous memory and
@@ -8,6 +8,7 @@ plus the pages it generates into. A page returns to the free list when its last 
 
 Page 0 is never handed out: it is the scratch page that padded batch slots write into and that unused
 block-table entries point at, so a static-shape decode step never needs a branch for "no sequence here".
+A page id means the same page in every layer's pool.
 
 The allocator lives on the host (plain lists): pages are handed out when sequences are admitted, between
 decode steps, never inside the captured step.

@@ -11,7 +11,8 @@ has a static shape and every state update is an in-place write into a preallocat
 the step N times in a row needs nothing from the host.
 
 Shape legend: B batch slots, T prompt length, C hidden, H query heads, K kv heads, D head dim, F MLP width,
-V vocabulary, L layers, M block-table width, S page size, W output width (max new tokens + 1 scratch column).
+V vocabulary, L layers, M block-table width, S page size, W output width (max_seq_len + 1; the last column
+is scratch).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|attention|decode64|decode256|report|train
+#   bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
 set -u
@@ -28,5 +28,10 @@ case "${1:-}" in
         --device cuda --attn "$attn" -B 8 -G 8 --max-new-tokens 256 -K 2 --beta 0.04 --steps 2 --eval-every 0 \
         --save-every 0 --sample-every 0 --out "$OUT/train_$attn" "${@:2}" 2>&1 | tail -4
     done ;;
-  *) echo "usage: bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train [args]"; exit 2 ;;
+  trainstep)   # every phase timed (stand-in reward, see bench/train_step.py), plus a full-logits update run
+    [ -d /tmp/rand05b ] || python3 weights/download.py --random-init \
+      --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
+    python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --full-logits "${@:2}" ;;
+  *) echo "usage: bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep [args]"
+     exit 2 ;;
 esac

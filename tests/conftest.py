@@ -1,6 +1,7 @@
 """Shared test fixtures: tiny random configs, the shared data folder, and the GPU marker's skip."""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,10 @@ if not torch.cuda.is_available():
 from minigrpo.config import ModelConfig
 from minigrpo.model import Qwen2ForCausalLM, init_weights
 
-SHARED_DATA = Path(os.environ.get("MINIGRPO_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is importable from the tests
+from bench.workload import data_dir  # noqa: E402
+
+SHARED_DATA = data_dir()  # $MINIGRPO_DATA, else ../shared/data beside the checkout
 QWEN_DIR = SHARED_DATA / "qwen2.5-0.5b-instruct"
 
 

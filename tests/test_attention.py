@@ -17,7 +17,6 @@ if not torch.cuda.is_available():
 import math  # noqa: E402
 
 import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from minigrpo.attention import BACKENDS, decode_attention, rope_store, rope_store_torch  # noqa: E402
 from minigrpo.model import apply_rope, rope_cos_sin  # noqa: E402

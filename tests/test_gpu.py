@@ -5,16 +5,15 @@
 Figures are printed and, when $OUT is set, written to $OUT/gpu_checks.jsonl.
 """
 
+import copy
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.workload import gsm8k_prompts, qwen_dir, random_qwen  # noqa: E402
+from bench.workload import gsm8k_prompts, qwen_dir, random_qwen
 from minigrpo.checkpoint import save_model  # noqa: E402
 from minigrpo.engine import Engine, EngineConfig  # noqa: E402
 from minigrpo.generate import generate  # noqa: E402
@@ -61,8 +60,7 @@ def models(tmp_path_factory):
           for dt in (torch.bfloat16, torch.float32)}
     assert hf[torch.bfloat16].model.rotary_emb.inv_freq.dtype == torch.float32
     ours32 = ours32.to(torch.bfloat16).to(torch.float32)  # the weights the checkpoint holds
-    ours16 = random_qwen(dtype=torch.float32).to(torch.bfloat16)
-    ours16.load_state_dict(ours32.state_dict())
+    ours16 = copy.deepcopy(ours32).to(torch.bfloat16)
     return {"ours": {torch.bfloat16: ours16, torch.float32: ours32}, "hf": hf}
 
 

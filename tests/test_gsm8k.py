@@ -2,14 +2,14 @@
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import SHARED_DATA
 from minigrpo.gsm8k import INSTRUCTION, Example, build_messages, load_gsm8k, load_jsonl, parse_ground_truth
 from minigrpo.verifier import normalize_number
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+DATA = SHARED_DATA / "gsm8k"
 
 
 @pytest.mark.parametrize("split, count", [("train", 7473), ("test", 1319)])

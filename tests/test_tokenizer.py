@@ -7,13 +7,13 @@ with transformers are skipped if it is not installed. The tokenizer is loaded on
 import json
 import shutil
 import warnings
-from pathlib import Path
 
 import pytest
 
+from conftest import SHARED_DATA
 from minigrpo.tokenizer import Tokenizer
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = SHARED_DATA
 QWEN_DIR = DATA / "qwen2.5-0.5b-instruct"
 GSM8K = DATA / "gsm8k"
 IM_START, IM_END, ENDOFTEXT = 151644, 151645, 151643

@@ -69,7 +69,7 @@ def bandwidth_floor_ms(engine: Engine, B: int, mean_ctx: float, copy_tbs: float)
     return (weight_bytes + kv_bytes) / (copy_tbs * 1e12) * 1e3
 
 
-def run_engine(model, prompts, G, new, attn, mode, page_size, sampler) -> dict:
+def run_engine(model, prompts, G, new, attn, mode, page_size, sampler, explain: bool) -> dict:
     comp, graphs = MODES[mode]
     N = len(prompts) * G
     max_len = -(-(max(len(p) for p in prompts) + new) // 64) * 64
@@ -104,7 +104,7 @@ def run_engine(model, prompts, G, new, attn, mode, page_size, sampler) -> dict:
     wall = time.perf_counter() - t0
     assert all(len(t) == new for t in out.tokens)
     engine.runner.run = run
-    return dict(engine=engine, **step_report(engine, N), ms_per_step=statistics.median(step_ms), prefill_ms=sum(prefill_ms),
+    return dict(engine=engine, **step_report(engine, N, explain), ms_per_step=statistics.median(step_ms), prefill_ms=sum(prefill_ms),
                 tok_per_s=N * new / wall, seconds=wall, warmup_s=warmup_s,
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9)
 
@@ -160,8 +160,10 @@ def hf_peer(model, prompts, G, new) -> list[dict]:
         args = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=True,
                     temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0, **kw)
         try:
-            for _ in range(2):
-                hf.generate(ids, **args)  # warm-up (and auto-compile for the static cache)
+            # Warm-up: the static cache auto-compiles for these exact shapes (twice, to settle any recompile);
+            # the dynamic cache only needs its kernels loaded.
+            for _ in range(2 if kw else 1):
+                hf.generate(ids, **(args if kw else dict(args, max_new_tokens=8, min_new_tokens=8)))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = hf.generate(ids, **args)
@@ -176,16 +178,17 @@ def hf_peer(model, prompts, G, new) -> list[dict]:
     return rows
 
 
-def step_report(engine: Engine, B: int) -> dict:
+def step_report(engine: Engine, B: int, explain: bool = True) -> dict:
     """What the decode step is made of under this engine's config: compiled graphs and every graph break
-    (torch._dynamo.explain over the step, when compile=step) and kernel launches per step (profiler, one
+    (torch._dynamo.explain over the step, when compile=step and `explain`: the trace is the same for every
+    compiled mode of one backend, so the benchmark asks once per backend) and kernel launches per step (profiler, one
     un-captured step; under CUDA graphs the same kernels replay from one graph launch)."""
     st, kv, m, attn = engine.state, engine.kv, engine.model, engine.cfg.attn
     row = {}
-    if engine.cfg.compile == "step":
-        explain = torch._dynamo.explain(decode_step)(m, attn, SAMPLING, *st.args(B), kv.k, kv.v, engine.cfg.sampler)
-        row.update(graphs=explain.graph_count, graph_breaks=explain.graph_break_count,
-                   break_reasons=[str(b.reason) for b in explain.break_reasons])
+    if engine.cfg.compile == "step" and explain:
+        ex = torch._dynamo.explain(decode_step)(m, attn, SAMPLING, *st.args(B), kv.k, kv.v, engine.cfg.sampler)
+        row.update(graphs=ex.graph_count, graph_breaks=ex.graph_break_count,
+                   break_reasons=[str(b.reason) for b in ex.break_reasons])
     unit, tail = engine.runner.units(B, SAMPLING)
     unit()  # already compiled by the timed run; this one only warms the profiler's path
     torch.cuda.synchronize()
@@ -221,8 +224,9 @@ def main():
     p.add_argument("--attn", default="eager,sdpa,triton", help="backends, comma-separated")
     p.add_argument("--modes", default="none,graphs,step,step+graphs", help=f"of {list(MODES)}")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--sampler", choices=["torch", "triton"], default="torch",
-                   help="torch: the reference sampler; triton: the fused one-pass kernel")
+    p.add_argument("--sampler", default="torch",
+                   help="torch: the reference sampler; triton: the fused one-pass kernel; 'torch,triton': every row "
+                        "with torch, then the first backend's CUDA-graph modes again with triton")
     p.add_argument("--no-peers", action="store_true", help="skip HF generate")
     p.add_argument("--report", action="store_true", help="graph / graph-break / kernel-launch report only")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for decode.json")
@@ -231,30 +235,37 @@ def main():
     model = random_qwen()
     _, all_prompts = gsm8k_prompts(max(int(w.split("x")[0]) for w in args.workloads.split(",")))
     attns = args.attn.split(",")
+    # Rows in this order: every backend x mode with the first sampler, then the first backend's CUDA-graph
+    # modes with each other sampler.
+    samplers = args.sampler.split(",")
+    plan = [(a, m, samplers[0]) for a in attns for m in args.modes.split(",")]
+    plan += [(attns[0], m, s) for s in samplers[1:] for m in args.modes.split(",") if m.endswith("graphs")]
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bandwidth_tbs(),
                   sampler=args.sampler)
     out = Path(args.out) / ("decode_report.json" if args.report else "decode.json")
     if args.report:
-        result["report"] = report(model, all_prompts, attns, args.modes.split(","), args.sampler)
+        result["report"] = report(model, all_prompts, attns, args.modes.split(","), samplers[0])
         out.write_text(json.dumps(result, indent=1))
         return
     result["workloads"] = []
     for w in args.workloads.split(","):
         n_prompts, G = (int(x) for x in w.split("x"))
         prompts, N = all_prompts[:n_prompts], n_prompts * G
-        rows, best = [], None
-        for attn in attns:
-            for mode in args.modes.split(","):
-                try:
-                    r = run_engine(model, prompts, G, args.new, attn, mode, args.page_size, args.sampler)
-                    engine = r.pop("engine")
-                    if best is None or r["ms_per_step"] < best[1]["ms_per_step"]:
-                        best = (engine, dict(r, attn=attn, mode=mode))
-                except Exception as e:
-                    traceback.print_exc()
-                    r = dict(error=repr(e)[:300])
-                rows.append(dict(attn=attn, mode=mode, **r))
-                print(json.dumps(rows[-1]), flush=True)
+        rows, best, explained = [], None, set()
+        for attn, mode, sampler in plan:
+            try:
+                r = run_engine(model, prompts, G, args.new, attn, mode, args.page_size, sampler,
+                               explain=MODES[mode][0] == "step" and (attn, sampler) not in explained)
+                if "graph_breaks" in r:
+                    explained.add((attn, sampler))
+                engine = r.pop("engine")
+                if best is None or r["ms_per_step"] < best[1]["ms_per_step"]:
+                    best = (engine, dict(r, attn=attn, mode=mode, sampler=sampler))
+            except Exception as e:
+                traceback.print_exc()
+                r = dict(error=repr(e)[:300])
+            rows.append(dict(attn=attn, mode=mode, sampler=sampler, **r))
+            print(json.dumps(rows[-1]), flush=True)
         mean_ctx = statistics.mean(len(p) for p in prompts) + args.new / 2
         wl = dict(workload=w, sequences=N, new=args.new, mean_prompt=statistics.mean(len(p) for p in prompts),
                   engine=rows)
@@ -263,7 +274,8 @@ def main():
             wl["bandwidth_floor_ms"] = bandwidth_floor_ms(engine, N, mean_ctx, result["copy_tb_s"])
             wl["matmul_floor_ms"] = time_graph(gemm_chain(engine, N, compiled=True))
             wl["matmul_floor_cublas_ms"] = time_graph(gemm_chain(engine, N, compiled=False))
-            wl["breakdown"] = dict(step_breakdown(engine, N, int(mean_ctx)), attn=best[1]["attn"], mode=best[1]["mode"])
+            wl["breakdown"] = dict(step_breakdown(engine, N, int(mean_ctx)),
+                                   **{k: best[1][k] for k in ("attn", "mode", "sampler")})
             del engine, best
         if not args.no_peers:
             wl["peers"] = hf_peer(model, prompts, G, args.new)
@@ -282,19 +294,21 @@ def print_table(result):
         print(f"\n{wl['workload']} ({wl['sequences']} seqs x {wl['new']} new); floors: bandwidth "
               f"{wl.get('bandwidth_floor_ms', float('nan')):.3f} ms, matmul chain {mm or float('nan'):.3f} ms "
               f"(cuBLAS eager {wl.get('matmul_floor_cublas_ms', float('nan')):.3f})")
-        print(f"{'attn':8} {'mode':12} {'ms/step':>8} {'tok/s':>9} {'prefill':>8} {'peak GB':>8} "
+        print(f"{'attn':8} {'mode':12} {'sampler':7} {'ms/step':>8} {'tok/s':>9} {'prefill':>8} {'peak GB':>8} "
               f"{'x HF static':>11} {'/ matmul':>8} {'kernels':>7} {'breaks':>6}")
         for r in wl["engine"]:
             if "error" in r:
-                print(f"{r['attn']:8} {r['mode']:12} ERROR {r['error'][:80]}")
+                print(f"{r['attn']:8} {r['mode']:12} {r['sampler']:7} ERROR {r['error'][:80]}")
                 continue
-            print(f"{r['attn']:8} {r['mode']:12} {r['ms_per_step']:8.3f} {r['tok_per_s']:9.0f} "
+            print(f"{r['attn']:8} {r['mode']:12} {r['sampler']:7} {r['ms_per_step']:8.3f} {r['tok_per_s']:9.0f} "
                   f"{r['prefill_ms']:8.2f} {r['peak_gb']:8.2f} "
                   f"{(r['tok_per_s'] / static) if static else float('nan'):11.2f} "
                   f"{(r['ms_per_step'] / mm) if mm else float('nan'):8.2f} {r['kernels_per_step']:7d} "
                   f"{r.get('graph_breaks', '-'):>6}")
+            for reason in r.get("break_reasons", []):
+                print(f"    graph break: {reason}")
         for mode, r in peers.items():
-            print(f"{'hf':8} {mode:12} {r['ms_per_step']:8.3f} {r['tok_per_s']:9.0f}")
+            print(f"{'hf':8} {mode:12} {'':7} {r['ms_per_step']:8.3f} {r['tok_per_s']:9.0f}")
         if "breakdown" in wl:
             print("step breakdown:", json.dumps(wl["breakdown"]))
 

@@ -68,11 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attn", choices=ATTN_BACKENDS, default=None,
                    help="reference: the plain generator (no KV cache); eager/sdpa/triton: the fast engine with "
                         "that decode attention (default: triton on CUDA, reference on CPU)")
-    g.add_argument("--compile", choices=["none", "step"], default="none",
-                   help="engine graph mode: torch.compile the decode step, or not")
-    g.add_argument("--sampler", choices=["torch", "triton"], default="torch",
+    g.add_argument("--compile", choices=["none", "step"], default=None,
+                   help="engine graph mode: torch.compile the decode step (fullgraph), or not "
+                        "(default: step on CUDA, none on CPU)")
+    g.add_argument("--sampler", choices=["torch", "triton"], default=None,
                    help="engine sampler: the reference PyTorch one, or the fused one-pass Triton kernel "
-                        "(plain temperature sampling; same draws)")
+                        "(plain temperature sampling; same draws; default: triton on CUDA, torch on CPU)")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the engine's decode step in CUDA graphs (default: on with CUDA)")
     g = p.add_argument_group("Dr. GRPO")

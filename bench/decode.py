@@ -2,7 +2,7 @@
 static cache) on the same weights and prompts, and the floors, all in one run.
 
     python bench/decode.py                                   # 8x8 and 32x8 GSM8K prompts x 256 new tokens
-    python bench/decode.py --workloads 8x8 --attn triton --modes step+graphs --no-peers
+    python bench/decode.py --workloads 8x8 --attn triton --modes step+graphs --peers none
     python bench/decode.py --report                          # graphs, graph breaks, kernel launches only
 
 Timing: CUDA events around each run of `sync_every` decode steps, median per step; tokens/s over the whole
@@ -12,7 +12,8 @@ generate call (prefill and host syncs included). Stop ids are ignored, so every 
   matmul floor     the step's own GEMM chain (24 x qkv, o_proj, gate_up, down, residual adds, SiLU, then the
                    LM head) captured alone in one CUDA graph
 Each engine row also carries the step's compiled graphs, graph breaks with reasons (compile=step) and
-kernel launches per step. A table goes to stdout, everything to <out>/decode.json.
+kernel launches per step; the step breakdown is of the first row's configuration, so put the mode that
+matters first. A table goes to stdout, everything to <out>/decode.json (rewritten after every row).
 """
 
 from __future__ import annotations
@@ -142,7 +143,10 @@ def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
                 shares={k: round(v / full, 3) for k, v in parts.items()})
 
 
-def hf_peer(model, prompts, G, new) -> list[dict]:
+HF_MODES = {"dynamic": ("hf_dynamic_cache", {}), "static": ("hf_static_cache", dict(cache_implementation="static"))}
+
+
+def hf_peer(model, prompts, G, new, modes) -> list[dict]:
     try:
         import transformers
     except ImportError:
@@ -156,7 +160,7 @@ def hf_peer(model, prompts, G, new) -> list[dict]:
     ids = torch.tensor([[0] * (T - len(s)) + s for s in seqs], device="cuda")
     mask = torch.tensor([[0] * (T - len(s)) + [1] * len(s) for s in seqs], device="cuda")
     rows = []
-    for mode, kw in (("hf_dynamic_cache", {}), ("hf_static_cache", dict(cache_implementation="static"))):
+    for mode, kw in (HF_MODES[m] for m in modes):
         args = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=True,
                     temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0, **kw)
         try:
@@ -227,7 +231,7 @@ def main():
     p.add_argument("--sampler", default="torch",
                    help="torch: the reference sampler; triton: the fused one-pass kernel; 'torch,triton': every row "
                         "with torch, then the first backend's CUDA-graph modes again with triton")
-    p.add_argument("--no-peers", action="store_true", help="skip HF generate")
+    p.add_argument("--peers", default="dynamic,static", help="HF generate caches to time: dynamic,static, or none")
     p.add_argument("--report", action="store_true", help="graph / graph-break / kernel-launch report only")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for decode.json")
     args = p.parse_args()
@@ -248,10 +252,21 @@ def main():
         out.write_text(json.dumps(result, indent=1))
         return
     result["workloads"] = []
+
+    def save():  # after every row: a run cut off at its time limit still leaves what it measured
+        out.write_text(json.dumps(result, indent=1))
     for w in args.workloads.split(","):
         n_prompts, G = (int(x) for x in w.split("x"))
         prompts, N = all_prompts[:n_prompts], n_prompts * G
-        rows, best, explained = [], None, set()
+        mean_ctx = statistics.mean(len(p) for p in prompts) + args.new / 2
+        wl = dict(workload=w, sequences=N, new=args.new, mean_prompt=statistics.mean(len(p) for p in prompts),
+                  engine=[])
+        result["workloads"].append(wl)
+        if args.peers != "none":  # first: the yardstick every row is compared with
+            wl["peers"] = hf_peer(model, prompts, G, args.new, args.peers.split(","))
+            print(json.dumps(wl["peers"]), flush=True)
+            save()
+        explained = set()
         for attn, mode, sampler in plan:
             try:
                 r = run_engine(model, prompts, G, args.new, attn, mode, args.page_size, sampler,
@@ -259,29 +274,20 @@ def main():
                 if "graph_breaks" in r:
                     explained.add((attn, sampler))
                 engine = r.pop("engine")
-                if best is None or r["ms_per_step"] < best[1]["ms_per_step"]:
-                    best = (engine, dict(r, attn=attn, mode=mode, sampler=sampler))
+                if "breakdown" not in wl:  # floors and the breakdown of the first row's configuration
+                    wl["bandwidth_floor_ms"] = bandwidth_floor_ms(engine, N, mean_ctx, result["copy_tb_s"])
+                    wl["matmul_floor_ms"] = time_graph(gemm_chain(engine, N, compiled=True))
+                    wl["matmul_floor_cublas_ms"] = time_graph(gemm_chain(engine, N, compiled=False))
+                    wl["breakdown"] = dict(step_breakdown(engine, N, int(mean_ctx)), attn=attn, mode=mode,
+                                           sampler=sampler)
+                del engine
             except Exception as e:
                 traceback.print_exc()
                 r = dict(error=repr(e)[:300])
-            rows.append(dict(attn=attn, mode=mode, sampler=sampler, **r))
-            print(json.dumps(rows[-1]), flush=True)
-        mean_ctx = statistics.mean(len(p) for p in prompts) + args.new / 2
-        wl = dict(workload=w, sequences=N, new=args.new, mean_prompt=statistics.mean(len(p) for p in prompts),
-                  engine=rows)
-        if best is not None:
-            engine = best[0]
-            wl["bandwidth_floor_ms"] = bandwidth_floor_ms(engine, N, mean_ctx, result["copy_tb_s"])
-            wl["matmul_floor_ms"] = time_graph(gemm_chain(engine, N, compiled=True))
-            wl["matmul_floor_cublas_ms"] = time_graph(gemm_chain(engine, N, compiled=False))
-            wl["breakdown"] = dict(step_breakdown(engine, N, int(mean_ctx)),
-                                   **{k: best[1][k] for k in ("attn", "mode", "sampler")})
-            del engine, best
-        if not args.no_peers:
-            wl["peers"] = hf_peer(model, prompts, G, args.new)
-        result["workloads"].append(wl)
-        out.write_text(json.dumps(result, indent=1))
-        torch.cuda.empty_cache()
+            wl["engine"].append(dict(attn=attn, mode=mode, sampler=sampler, **r))
+            print(json.dumps(wl["engine"][-1]), flush=True)
+            save()
+            torch.cuda.empty_cache()
     print_table(result)
 
 

@@ -1,19 +1,29 @@
-"""Fused Gumbel-max sampling in Triton: one pass over each row of logits, no (B, V) temporaries.
+"""Fused Gumbel-max sampling in Triton: one pass over the logits, no (B, V) temporaries.
 
 The PyTorch sampler (`minigrpo.sampling.sample`) is the readable reference. Run eagerly it makes about
 20 passes over a (B, V) tensor: the counter hash, the Gumbel transform, log_softmax, argmax. That
-measured 0.92 ms of a 3.4 ms decode step at 64 x 151936 on the H200 (bench/NOTES.md). Here one program
-per row streams the row once and keeps, in registers:
+measured 0.92 ms of a 3.4 ms decode step at 64 x 151936 on the H200, and 0.12 ms even when Inductor
+fuses it (bench/NOTES.md). Here each row is streamed once and these are kept in registers:
   - the online log-sum-exp of x = logits / T, for the sampled token's log-prob;
   - the running argmax of x + Gumbel(seed, counter, index), the sample.
 The noise is the reference's: the same 31-bit hash of (seed, counter, vocabulary index), so a sequence
 draws the same token with either sampler (up to ties at float rounding).
 
-Plain temperature sampling only (no top-k / top-p: those need a sort; the reference handles them).
-Registered as `torch.ops.minigrpo.gumbel_sample`, so it is one opaque node inside torch.compile and a
-plain launch inside CUDA graphs.
+Why it is shaped this way (all measured or counted on the H200, see bench/NOTES.md):
+* The hash dominates: ~20 integer ops per element. The reference keeps 31-bit values in int64 so that
+  every backend computes them without overflow; here the low 31 bits of each product are computed in
+  uint32, where wrap-around is defined and the bits are the same, instead of emulated int64 multiplies.
+* One program per row left the GPU half idle at 64 rows (0.24 ms). The vocabulary is split into chunks
+  so that rows x chunks fills every SM several times; a small second kernel merges the chunks (max,
+  rescaled sum, first argmax), as split-K decode attention merges its splits.
+* Accumulators are per lane (element-wise max / select); the cross-lane reductions run once per chunk,
+  not once per block.
 
-Shape legend: B rows, V vocabulary.
+Plain temperature sampling only (no top-k / top-p: those need a sort; the reference handles them).
+Registered as `torch.ops.minigrpo.gumbel_sample`, so it is one opaque node inside torch.compile and two
+plain launches inside CUDA graphs. The chunk count depends only on static shapes.
+
+Shape legend: B rows, V vocabulary, NC vocabulary chunks per row.
 """
 
 from __future__ import annotations
@@ -23,55 +33,88 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels.decode_attention import INTERPRETED, check_runnable
+from kernels.decode_attention import INTERPRETED, _num_sms, check_runnable
 
-BLOCK_V = 2048
+BLOCK_V = 1024            # elements per lane-vector step
+PROGRAMS_PER_SM = 8       # enough resident programs to hide the logits loads behind the hash arithmetic
 
 
 @triton.jit
 def _mix31(x):
-    # minigrpo.sampling._mix31, value for value: int64 lanes holding [0, 2^31), no overflow anywhere.
+    # minigrpo.sampling._mix31 on uint32 lanes holding [0, 2^31): (x * c) mod 2^31 only needs the low 31
+    # bits of the product, which uint32's defined wrap-around keeps exactly.
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0x7FFFFFFF
+    x = (x * tl.full([], 0x7FEB352D, tl.uint32)) & tl.full([], 0x7FFFFFFF, tl.uint32)
     x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & 0x7FFFFFFF
+    x = (x * tl.full([], 0x5BD1E995, tl.uint32)) & tl.full([], 0x7FFFFFFF, tl.uint32)
     return x ^ (x >> 16)
 
 
 @triton.jit
-def _gumbel_sample_kernel(logits_ptr, seeds_ptr, counters_ptr, tok_ptr, logp_ptr, stride_b, V, temperature,
-                          BLOCK: tl.constexpr):
+def _gumbel_chunk_kernel(logits_ptr, seeds_ptr, counters_ptr, m_ptr, s_ptr, best_ptr, idx_ptr,
+                         stride_b, V, chunk, temperature, NC: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
-    seed = tl.load(seeds_ptr + b).to(tl.int64)
-    ctr = tl.load(counters_ptr + b).to(tl.int64)
-    key = _mix31((_mix31(seed & 0x7FFFFFFF) + ctr) & 0x7FFFFFFF)
+    c = tl.program_id(1)
+    m31 = tl.full([], 0x7FFFFFFF, tl.uint32)
+    seed = (tl.load(seeds_ptr + b) & 0x7FFFFFFF).to(tl.uint32)
+    ctr = (tl.load(counters_ptr + b) & 0x7FFFFFFF).to(tl.uint32)
+    key = _mix31((_mix31(seed) + ctr) & m31)          # both < 2^31: the sum fits in uint32
     row = logits_ptr + b.to(tl.int64) * stride_b
-    m = tl.full([], float("-inf"), tl.float32)        # running max of x
-    s = tl.zeros([], tl.float32)                      # running sum of exp(x - m)
-    best = tl.full([], float("-inf"), tl.float32)     # best x + gumbel so far
-    best_idx = tl.zeros([], tl.int64)
-    best_x = tl.zeros([], tl.float32)
-    for start in range(0, V, BLOCK):
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, V)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)    # per-lane running max of x
+    s = tl.zeros([BLOCK], tl.float32)                  # per-lane sum of exp(x - m)
+    best = tl.full([BLOCK], float("-inf"), tl.float32) # per-lane best x + gumbel
+    best_idx = tl.zeros([BLOCK], tl.int32)
+    for start in range(lo, hi, BLOCK):
         idx = start + tl.arange(0, BLOCK)
-        ok = idx < V
+        ok = idx < hi
         # .to: under torch.compile the Python-float temperature can arrive as fp64, which would change
-        # the loop-carried types (Triton rejects that).
+        # the loop-carried types (Triton rejects that). Division, not a reciprocal: the reference's rounding.
         x = (tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32) / temperature).to(tl.float32)
-        bits = _mix31(_mix31(key ^ idx.to(tl.int64)))
+        bits = _mix31(_mix31(key ^ idx.to(tl.uint32)))
         u = ((bits >> 7).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        score = tl.where(ok, x - tl.log(-tl.log(u)), float("-inf"))
-        blk_best = tl.max(score, 0)
-        blk_idx = tl.argmax(score, 0)                 # first maximum, like torch.argmax
-        blk_x = tl.sum(tl.where(tl.arange(0, BLOCK) == blk_idx, x, 0.0), 0)
-        better = blk_best > best                      # strict: an earlier block wins a tie
-        best_idx = tl.where(better, start + blk_idx, best_idx)
-        best_x = tl.where(better, blk_x, best_x)
-        best = tl.where(better, blk_best, best)
-        m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.where(ok, tl.exp(x - m_new), 0.0), 0)
+        score = x - tl.log(-tl.log(u))                 # masked lanes: -inf
+        better = score > best                          # strict: the earlier index wins a tie
+        best_idx = tl.where(better, idx, best_idx)
+        best = tl.where(better, score, best)
+        m_new = tl.maximum(m, x)
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a lane with nothing valid yet stays at s = 0
+        s = s * tl.exp(m - ref) + tl.exp(x - ref)
         m = m_new
-    tl.store(tok_ptr + b, best_idx)
-    tl.store(logp_ptr + b, best_x - (m + tl.log(s)))
+    M = tl.max(m, 0)
+    S = tl.sum(s * tl.exp(m - tl.where(M == float("-inf"), 0.0, M)), 0)
+    BEST = tl.max(best, 0)
+    IDX = tl.min(tl.where(best == BEST, best_idx, V), 0)      # first index among equal maxima
+    out = b * NC + c
+    tl.store(m_ptr + out, M)
+    tl.store(s_ptr + out, S)
+    tl.store(best_ptr + out, BEST)
+    tl.store(idx_ptr + out, IDX)
+
+
+@triton.jit
+def _gumbel_merge_kernel(logits_ptr, m_ptr, s_ptr, best_ptr, idx_ptr, tok_ptr, logp_ptr, stride_b, V,
+                         temperature, NC: tl.constexpr, NC_P2: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.arange(0, NC_P2)
+    ok = c < NC
+    m = tl.load(m_ptr + b * NC + c, mask=ok, other=float("-inf"))
+    s = tl.load(s_ptr + b * NC + c, mask=ok, other=0.0)
+    best = tl.load(best_ptr + b * NC + c, mask=ok, other=float("-inf"))
+    idx = tl.load(idx_ptr + b * NC + c, mask=ok, other=V)
+    M = tl.max(m, 0)
+    lse = M + tl.log(tl.sum(s * tl.exp(m - M), 0))     # every row has >= 1 element, so M is finite
+    BEST = tl.max(best, 0)
+    tok = tl.min(tl.where(best == BEST, idx, V), 0)    # chunks are in index order: first index wins a tie
+    x = (tl.load(logits_ptr + b.to(tl.int64) * stride_b + tok).to(tl.float32) / temperature).to(tl.float32)
+    tl.store(tok_ptr + b, tok.to(tl.int64))
+    tl.store(logp_ptr + b, x - lse)
+
+
+def num_chunks(batch: int, vocab: int, num_sms: int) -> int:
+    """Vocabulary chunks per row: enough programs to fill the GPU, at least one block per chunk."""
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * num_sms, batch), triton.cdiv(vocab, BLOCK_V)))
 
 
 @triton_op("minigrpo::gumbel_sample", mutates_args=())
@@ -83,17 +126,27 @@ def gumbel_sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Ten
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be (batch, vocab) with contiguous rows, got shape "
                          f"{tuple(logits.shape)} strides {logits.stride()}")
-    B = logits.shape[0]
+    B, V = logits.shape
     if seeds.shape != (B,) or counters.shape != (B,) or seeds.dtype != torch.int64 or counters.dtype != torch.int64:
         raise ValueError(f"seeds and counters must be int64 ({B},), got {seeds.dtype} {tuple(seeds.shape)} "
                          f"and {counters.dtype} {tuple(counters.shape)}")
     if not temperature > 0:
         raise ValueError(f"gumbel_sample needs temperature > 0 (greedy is an argmax), got {temperature}")
+    if V == 0 or V >= 2**31:
+        raise ValueError(f"vocabulary size must be in [1, 2^31), got {V}")
     check_runnable(logits.device)
-    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
-    logp = torch.empty(B, dtype=torch.float32, device=logits.device)
-    wrap_triton(_gumbel_sample_kernel)[(B,)](logits, seeds, counters, tokens, logp, logits.stride(0),
-                                             logits.shape[1], temperature, BLOCK=BLOCK_V, num_warps=8)
+    NC = num_chunks(B, V, _num_sms(logits.device))
+    chunk = triton.cdiv(triton.cdiv(V, NC), BLOCK_V) * BLOCK_V
+    NC = triton.cdiv(V, chunk)                         # rounding chunks up to whole blocks can leave fewer
+    dev = logits.device
+    m, s, best = (torch.empty(B, NC, dtype=torch.float32, device=dev) for _ in range(3))  # (B, NC) each
+    idx = torch.empty(B, NC, dtype=torch.int32, device=dev)                               # (B, NC)
+    wrap_triton(_gumbel_chunk_kernel)[(B, NC)](logits, seeds, counters, m, s, best, idx, logits.stride(0), V,
+                                               chunk, temperature, NC=NC, BLOCK=BLOCK_V, num_warps=4)
+    tokens = torch.empty(B, dtype=torch.int64, device=dev)
+    logp = torch.empty(B, dtype=torch.float32, device=dev)
+    wrap_triton(_gumbel_merge_kernel)[(B,)](logits, m, s, best, idx, tokens, logp, logits.stride(0), V,
+                                            temperature, NC=NC, NC_P2=triton.next_power_of_2(NC), num_warps=1)
     return tokens, logp
 
 

@@ -315,11 +315,12 @@ class Engine:
             slots[r, :lens[r]] = torch.tensor(pages)[t // S] * S + t % S
         logits = self.model.prefill(ids.to(dev), torch.tensor(lens, device=dev), slots.to(dev),
                                     self.kv.k, self.kv.v)                              # (groups, V)
+        src, dst = [], []                                # partial prompt page: each sample gets its own copy
         for g, P in zip(groups, lens):
-            if P % S:                                    # partial prompt page: each sample gets its own copy
-                src = seq_pages[g * G][P // S]
-                for j in range(1, G):
-                    self.kv.copy_page(src, seq_pages[g * G + j][P // S])
+            if P % S:
+                src += [seq_pages[g * G][P // S]] * (G - 1)
+                dst += [seq_pages[g * G + j][P // S] for j in range(1, G)]
+        self.kv.copy_pages(src, dst)
         seq_ids = [g * G + j for g in groups for j in range(G)]
         rows = torch.arange(len(slot_seq), len(slot_seq) + len(seq_ids), device=dev)
         seed = torch.tensor([seeds[s] for s in seq_ids], dtype=torch.int64, device=dev)

@@ -284,13 +284,18 @@ def test_compiled_ops_do_not_copy_the_pool():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_gumbel_sample_kernel_draws_what_the_reference_draws(dtype, temperature):
+@pytest.mark.parametrize("B", [6, 40])
+def test_gumbel_sample_kernel_draws_what_the_reference_draws(dtype, temperature, B):
+    from kernels.sample import num_chunks
     from minigrpo.sampling import SamplingParams, sample
     g = torch.Generator().manual_seed(7)
-    B, V = 6, 5000                                     # V not a multiple of the kernel's block
+    V = 5000                                           # not a multiple of the kernel's block
+    chunks = num_chunks(B, V, 132 if DEVICE == "cuda" else 4)
+    assert (chunks > 1) == (B == 6 or DEVICE == "cuda"), chunks  # both the split and the one-chunk path
     logits = (3 * torch.randn(B, V, generator=g)).to(dtype).to(DEVICE)
-    seeds = torch.tensor([11, 12, 13, 14, 15, 16], device=DEVICE)
-    ctr = torch.tensor([0, 1, 2, 3, 40, 500], device=DEVICE)
+    logits[-1, V - 3] = 40.0                           # a sure winner in the last block of the last chunk
+    seeds = torch.arange(11, 11 + B, device=DEVICE) * 7919
+    ctr = torch.randint(0, 1000, (B,), generator=g).to(DEVICE)
     tok, logp = torch.ops.minigrpo.gumbel_sample(logits, seeds, ctr, temperature)
     ref_tok, ref_logp = sample(logits, SamplingParams(temperature=temperature), seeds, ctr)
     assert torch.equal(tok, ref_tok)

@@ -217,6 +217,7 @@ def _train(args, dist, out: Path) -> int:
         model, tokenizer, train, test, model_dir = (build_smoke if args.preset == "smoke" else build_gsm8k)(args)
         backend = make_backend(args.attn, model, pad_id=tokenizer.pad_id, compile=args.compile,
                                cuda_graphs=args.cuda_graphs, max_seq_len=max_seq_len(args, train, test),
+                               max_batch=args.cfg.prompts_per_step * args.cfg.samples_per_prompt,
                                sampler=args.sampler)
         # Built before resuming: with --beta > 0 the KL reference is the initial policy, not the checkpoint.
         trainer = Trainer(args.cfg, model, tokenizer, train, backend, out, eval_task=test,

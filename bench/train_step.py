@@ -1,7 +1,10 @@
 """Full Dr. GRPO steps on a random-initialised Qwen2.5-0.5B: seconds per phase, rollout's share, and the
 update's memory with chunked log-probs vs full logits.
 
-    python bench/train_step.py --model-dir /tmp/rand05b --data ../shared/data [--attn triton,sdpa]
+    python bench/train_step.py --model-dir /tmp/rand05b --data ../shared/data [--attn triton,sdpa:none]
+
+`--attn` entries are BACKEND[:COMPILE]: `sdpa:none` runs that backend with `--compile none` (CUDA graphs
+still on), which skips its ~70 s step compile when only the phases after the rollout matter.
 
 Random weights never solve a GSM8K problem, so with the real reward every group has zero spread and
 the trainer (rightly) skips the update. To time every phase at the real sizes, the GSM8K prompts are
@@ -45,15 +48,17 @@ class StandInReward:
         return self.task.describe(i)
 
 
-def run(attn: str, args, chunk: int, out: Path) -> list[dict]:
-    cli = train_cli.parse_args([
-        "--model-dir", args.model_dir, "--train-data", f"{args.data}/gsm8k/train.jsonl", "--device", args.device,
-        "--attn", attn, "-B", "8", "-G", "8", "--max-new-tokens", "256", "-K", "2", "--beta", "0.04",
-        "--steps", str(args.steps), "--eval-every", "0", "--save-every", "0", "--sample-every", "0",
-        "--logprob-chunk-size", str(chunk), "--out", str(out), *args.extra])
+def run(spec: str, args, chunk: int, out: Path) -> list[dict]:
+    attn, _, comp = spec.partition(":")
+    flags = ["--model-dir", args.model_dir, "--train-data", f"{args.data}/gsm8k/train.jsonl", "--device", args.device,
+             "--attn", attn, "-B", "8", "-G", "8", "--max-new-tokens", "256", "-K", "2", "--beta", "0.04",
+             "--steps", str(args.steps), "--eval-every", "0", "--save-every", "0", "--sample-every", "0",
+             "--logprob-chunk-size", str(chunk), "--out", str(out)]
+    cli = train_cli.parse_args(flags + (["--compile", comp] if comp else []) + args.extra)
     model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli)
-    backend = make_backend(attn, model, pad_id=tokenizer.pad_id, compile=cli.compile,
-                           cuda_graphs=cli.cuda_graphs, max_seq_len=train_cli.max_seq_len(cli, task, None))
+    backend = make_backend(attn, model, pad_id=tokenizer.pad_id, compile=cli.compile, cuda_graphs=cli.cuda_graphs,
+                           max_seq_len=train_cli.max_seq_len(cli, task, None),
+                           max_batch=cli.cfg.prompts_per_step * cli.cfg.samples_per_prompt, sampler=cli.sampler)
     trainer = Trainer(cli.cfg, model, tokenizer, StandInReward(task), backend, out, tokenizer_dir=model_dir)
     rows = [trainer.step() for _ in range(args.steps)]
     del trainer, backend, model
@@ -66,7 +71,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--data", required=True, help="folder holding gsm8k/train.jsonl")
-    p.add_argument("--attn", default="triton,sdpa")
+    p.add_argument("--attn", default="triton,sdpa", help="BACKEND[:COMPILE], comma-separated")
+    p.add_argument("--full-logits-attn", default="triton:none", help="the backend of the --full-logits run")
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=2, help="steps per backend; the last one is reported")
     p.add_argument("--full-logits", action="store_true", help="also one run with unchunked log-probs")
@@ -77,15 +83,15 @@ def main():
             "rollout_tokens_per_s", "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb",
             "trained_rows", "loss", "kl", "clip_frac", "grad_norm", "logp_diff_mean", "logp_diff_max")
     result = {}
-    runs = [(a, 1024) for a in args.attn.split(",")] + ([("triton", 1 << 30)] if args.full_logits else [])
+    runs = [(a, 1024) for a in args.attn.split(",")] + ([(args.full_logits_attn, 1 << 30)] if args.full_logits else [])
     for attn, chunk in runs:
-        name = f"{attn}_chunk{chunk}" if chunk != 1024 else attn
+        name = (f"{attn}_full_logits" if chunk != 1024 else attn).replace(":", "_compile_")
         last = run(attn, args, chunk, out / f"train_{name}")[-1]
         row = {k: last[k] for k in keys if k in last}
         row["rollout_share"] = last["time_rollout"] / last["time_step"]
         result[name] = row
         print(name, json.dumps(row), flush=True)
-    (out / "train_step.json").write_text(json.dumps(result, indent=1))
+        (out / "train_step.json").write_text(json.dumps(result, indent=1))  # after each run: partial results survive
 
 
 if __name__ == "__main__":

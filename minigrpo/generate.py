@@ -46,6 +46,8 @@ def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: 
     For G samples of a prompt, pass the prompt G times with G different seeds."""
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)                                     # (B, T)
+    if len({len(p) for p in prompts}) == 1:
+        mask = None  # nothing is padded: the fused causal attention kernels apply (what transformers runs)
     B = ids.shape[0]
     seeds_t = torch.tensor(seeds if seeds is not None else [0] * B, dtype=torch.long, device=device)
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
@@ -61,7 +63,8 @@ def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: 
         out_logp = torch.cat([out_logp, logp[:, None]], dim=1)
         done |= torch.isin(tok, stops)
         ids = torch.cat([ids, tok[:, None]], dim=1)
-        mask = torch.cat([mask, torch.ones_like(tok)[:, None]], dim=1)
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones_like(tok)[:, None]], dim=1)
         if bool(done.all()):
             break
     tokens, logprobs = [], []

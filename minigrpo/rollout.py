@@ -67,14 +67,16 @@ class ReferenceBackend:
 
 def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: str | None = None,
                  cuda_graphs: bool | None = None, max_seq_len: int | None = None,
-                 sampler: str | None = None) -> RolloutBackend:
+                 max_batch: int | None = None, sampler: str | None = None) -> RolloutBackend:
     """The rollout backend for `--attn`: the reference generator, or the fast engine with that attention.
 
     The engine holds bf16 weights on CUDA and fp32 on the CPU (where bf16 is slow and its rounding would
     hide real mismatches). None picks the fastest measured setting on CUDA (bench/NOTES.md): the step
     compiled (compile="step", about 35 s per batch bucket, once) and captured (cuda_graphs), with the fused
     Triton sampler; on the CPU, the eager step and the reference sampler. max_seq_len (longest prompt +
-    completion) sizes the engine's block tables; None keeps the engine's default.
+    completion) and max_batch (sequences decoded at once: a rollout's B x G) size the block tables and the
+    KV pool (max_batch x max_seq_len tokens, so no memory is held for sequences that never run); None
+    keeps the engine's defaults.
     """
     if attn not in ATTN_BACKENDS:
         raise ValueError(f"unknown attention backend {attn!r}; choose one of {ATTN_BACKENDS}")
@@ -87,7 +89,7 @@ def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: st
                            f"({e}); use --attn reference") from None
     device = next(model.parameters()).device
     on_cuda = device.type == "cuda"
-    extra = {"max_seq_len": max_seq_len} if max_seq_len is not None else {}
+    extra = {k: v for k, v in (("max_seq_len", max_seq_len), ("max_batch", max_batch)) if v is not None}
     cfg = EngineConfig(attn=attn, compile=compile or ("step" if on_cuda else "none"),
                        cuda_graphs=on_cuda if cuda_graphs is None else cuda_graphs,
                        sampler=sampler or ("triton" if on_cuda else "torch"), **extra)

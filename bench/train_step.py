@@ -86,9 +86,11 @@ def main():
     runs = [(a, 1024) for a in args.attn.split(",")] + ([(args.full_logits_attn, 1 << 30)] if args.full_logits else [])
     for attn, chunk in runs:
         name = (f"{attn}_full_logits" if chunk != 1024 else attn).replace(":", "_compile_")
-        last = run(attn, args, chunk, out / f"train_{name}")[-1]
+        rows = run(attn, args, chunk, out / f"train_{name}")
+        last = rows[-1]
         row = {k: last[k] for k in keys if k in last}
         row["rollout_share"] = last["time_rollout"] / last["time_step"]
+        row["every_step"] = [{k: round(r[k], 3) for k in keys if k.startswith("time")} for r in rows]
         result[name] = row
         print(name, json.dumps(row), flush=True)
         (out / "train_step.json").write_text(json.dumps(result, indent=1))  # after each run: partial results survive

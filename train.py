@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, default=D.steps, help="RL steps (rollout + update) in total")
     g.add_argument("--logprob-chunk-size", type=int, default=D.logprob_chunk_size,
                    help="tokens per LM-head chunk when computing log-probs (memory: chunk x vocab x 4 bytes)")
+    g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
+                   default=D.activation_checkpointing,
+                   help="recompute each decoder layer in backward: far less activation memory, one more forward")
     g = p.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval-every", type=int, default=D.eval_every,
                    help="greedy test accuracy before training and every N steps (0 = never)")
@@ -141,7 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             eval_every=args.eval_every, eval_limit=args.eval_limit, eval_batch_size=args.eval_batch_size,
             eval_max_new_tokens=args.eval_max_new_tokens, save_every=args.save_every,
             keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,
-            seed=args.seed, logprob_chunk_size=args.logprob_chunk_size)
+            seed=args.seed, logprob_chunk_size=args.logprob_chunk_size,
+            activation_checkpointing=args.activation_checkpointing)
     except ValueError as e:
         parser.error(str(e))
     if args.preset == "smoke" and args.model_dir is not None:

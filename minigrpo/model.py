@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from minigrpo.config import ModelConfig
 
@@ -128,11 +129,14 @@ class Qwen2ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
+                      positions: torch.Tensor | None = None, checkpoint_layers: bool = False) -> torch.Tensor:
         """Final-norm hidden states, (B, T) -> (B, T, C). The trainer applies the LM head in chunks itself.
 
         attention_mask (B, T): 1 for real tokens, 0 for padding (left padding expected). Positions default to
         the count of real tokens before each one, so a left-padded row computes exactly what it computes alone.
+        checkpoint_layers: when gradients are recorded, keep only each layer's input and recompute the layer
+        in backward (activation checkpointing): activation memory drops from ~20 tensors per layer to one,
+        for one more forward pass. The gradients are the same.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
@@ -155,8 +159,10 @@ class Qwen2ForCausalLM(nn.Module):
         cfg = self.config
         x = self.model.embed_tokens(input_ids)                                            # (B, T, C)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)         # (B, T, D)
+        recompute = checkpoint_layers and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask)
+            x = (torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False) if recompute
+                 else layer(x, cos, sin, mask))
         return self.model.norm(x)                                                         # (B, T, C)
 
     def forward(self, input_ids, attention_mask=None, positions=None) -> torch.Tensor:

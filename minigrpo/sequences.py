@@ -82,17 +82,18 @@ def pad_rows(rows: list[list[float]], width: int, device) -> torch.Tensor:
 
 def completion_logprobs(model: Qwen2ForCausalLM, batch: SequenceBatch, *, temperature: float,
                         chunk_size: int = 1024, amp_dtype: torch.dtype | None = None,
-                        return_entropy: bool = False):
+                        return_entropy: bool = False, checkpoint_layers: bool = False):
     """log p(completion token | prefix) under softmax(logits / temperature): (n, C) fp32 [, entropy (n, C)].
 
     With amp_dtype (bf16 on CUDA) the decoder runs under autocast and the LM head in amp_dtype, cast
     explicitly outside autocast: autocast would cover only the hand-written forward of token_logprobs and
     not its backward, which would then recompute the softmax in another precision than the forward's.
+    checkpoint_layers: activation checkpointing of the decoder layers (see `Qwen2ForCausalLM.hidden_states`).
     """
     amp = (torch.autocast(batch.ids.device.type, dtype=amp_dtype) if amp_dtype is not None
            else contextlib.nullcontext())
     with amp:
-        hidden = model.hidden_states(batch.ids, batch.attn)                                # (n, T, D)
+        hidden = model.hidden_states(batch.ids, batch.attn, checkpoint_layers=checkpoint_layers)  # (n, T, D)
     h, targets = shift_for_completion(hidden, batch.ids, batch.P)                          # (n, C, D), (n, C)
     weight = model.lm_head.weight                                                          # (V, D)
     if amp_dtype is not None:

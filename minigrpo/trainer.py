@@ -80,6 +80,7 @@ class TrainConfig:
     num_samples: int = 4
     seed: int = 0
     logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: chunk x vocab x 4 bytes)
+    activation_checkpointing: bool = False  # recompute each layer in backward: ~1/20 the activations, +1 forward
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -272,7 +273,8 @@ class Trainer:
     def _logprobs(self, model, batch: SequenceBatch, return_entropy: bool = False):
         return completion_logprobs(model, batch, temperature=self.cfg.temperature,
                                    chunk_size=self.cfg.logprob_chunk_size, amp_dtype=self.amp_dtype,
-                                   return_entropy=return_entropy)
+                                   return_entropy=return_entropy,
+                                   checkpoint_layers=self.cfg.activation_checkpointing)
 
     def _update(self, batch, old_logp, ref_logp, adv, kept: list[int], all_keep: torch.Tensor) -> dict:
         """K epochs of minibatch AdamW steps over the kept rows. adv (n,), old/ref_logp (n, C), all_keep (N,).

@@ -231,6 +231,21 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
         _synthetic_trainer(tmp_path / "other", **{**cfg, "lr": 1e-3}).resume(ckpt)
 
 
+def test_activation_checkpointing_trains_identically(tmp_path, monkeypatch):
+    cfg = dict(steps=2, inner_epochs=2, minibatch_size=64, micro_batch_size=32, kl_beta=0.05, lr=3e-3)
+    real, calls = torch.utils.checkpoint.checkpoint, []
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    runs = []
+    for ckpt in (False, True):
+        calls.clear()
+        trainer = _synthetic_trainer(tmp_path / str(ckpt), activation_checkpointing=ckpt, **cfg)
+        runs.append(([_comparable(trainer.step()) for _ in range(2)], trainer.model.state_dict()))
+        assert bool(calls) == ckpt  # the flag reaches the training forward (and only it recomputes)
+    assert runs[0][0] == runs[1][0]
+    for name, w in runs[0][1].items():
+        assert torch.equal(runs[1][1][name], w), name
+
+
 def test_kl_is_measured_against_the_initial_policy(tmp_path):
     trainer = _synthetic_trainer(tmp_path, steps=2, kl_beta=0.1, lr=1e-2)
     first, second = trainer.step(), trainer.step()

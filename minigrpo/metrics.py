@@ -1,5 +1,6 @@
 """Metric logging: one readable stdout line per step, `metrics.jsonl` (one JSON object per step), optional
-TensorBoard, and `samples.jsonl` (a few decoded completions now and then, to read what the policy does).
+TensorBoard, and `samples.jsonl` (a few decoded completions now and then, to read what the policy does);
+and `PhaseTimer`, which measures the time_* keys.
 
 jsonl is the source of truth: append-only, flushed every step, trivially loaded with pandas. On resume,
 records past the resumed step (written by the interrupted run after its last checkpoint) are dropped,
@@ -21,7 +22,10 @@ rows that were trained on, since zero-advantage groups get no forward pass):
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+
+import torch
 
 from tqdm import tqdm
 
@@ -98,3 +102,25 @@ class MetricsLogger:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+class PhaseTimer:
+    """Wall time per phase; synchronises CUDA first so that a phase is charged for its own kernels."""
+
+    def __init__(self, device: torch.device, phases: tuple[str, ...]):
+        self.device, self.times = device, dict.fromkeys(phases, 0.0)  # phases not reached stay at 0
+        self._sync()
+        self.start = self.last = time.perf_counter()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def lap(self, phase: str) -> None:
+        self._sync()
+        now = time.perf_counter()
+        self.times[phase], self.last = now - self.last, now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from minigrpo.data import EpochSampler
 from minigrpo.distributed import Dist, GradSync
 from minigrpo.evaluate import evaluate
 from minigrpo.grpo import dr_grpo_loss, group_advantages, nonzero_groups
-from minigrpo.metrics import MetricsLogger
+from minigrpo.metrics import MetricsLogger, PhaseTimer
 from minigrpo.sampling import SamplingParams
 from minigrpo.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.train_state import load_checkpoint, save_checkpoint
@@ -80,7 +79,7 @@ class TrainConfig:
     num_samples: int = 4
     seed: int = 0
     logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: chunk x vocab x 4 bytes)
-    activation_checkpointing: bool = False  # recompute each layer in backward: ~1/20 the activations, +1 forward
+    activation_checkpointing: bool = False  # recompute each layer in backward: a fraction of the activations, +1 forward
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -130,28 +129,6 @@ def derive_seeds(seed: int, tag: int, step: int, n: int) -> list[int]:
     return (state >> np.uint64(1)).astype(np.int64).tolist()
 
 
-class _PhaseTimer:
-    """Wall time per phase; synchronises CUDA first so that a phase is charged for its own kernels."""
-
-    def __init__(self, device: torch.device, phases: tuple[str, ...]):
-        self.device, self.times = device, dict.fromkeys(phases, 0.0)  # phases not reached stay at 0
-        self._sync()
-        self.start = self.last = time.perf_counter()
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def lap(self, phase: str) -> None:
-        self._sync()
-        now = time.perf_counter()
-        self.times[phase], self.last = now - self.last, now
-
-    @property
-    def total(self) -> float:
-        return self.last - self.start
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, model, tokenizer, task, backend, out_dir: str | Path, *,
                  eval_task=None, tokenizer_dir: str | Path | None = None, tensorboard: bool = False,
@@ -191,7 +168,7 @@ class Trainer:
             group["lr"] = lr
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        timer = _PhaseTimer(dev, ("rollout", "reward", "logprobs", "update", "sync"))
+        timer = PhaseTimer(dev, ("rollout", "reward", "logprobs", "update", "sync"))
 
         dist = self.dist  # W ranks; W = 1 without torchrun, where every dist call is the identity
         examples = dist.shard(self.sampler.next(B))                    # this rank's b = B/W prompts

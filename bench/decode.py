@@ -105,8 +105,8 @@ def run_engine(model, prompts, G, new, attn, mode, page_size, sampler, explain: 
     wall = time.perf_counter() - t0
     assert all(len(t) == new for t in out.tokens)
     engine.runner.run = run
-    return dict(engine=engine, **step_report(engine, N, explain), ms_per_step=statistics.median(step_ms), prefill_ms=sum(prefill_ms),
-                tok_per_s=N * new / wall, seconds=wall, warmup_s=warmup_s,
+    return dict(engine=engine, **step_report(engine, N, explain), ms_per_step=statistics.median(step_ms),
+                prefill_ms=sum(prefill_ms), tok_per_s=N * new / wall, seconds=wall, warmup_s=warmup_s,
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9)
 
 
@@ -185,8 +185,8 @@ def hf_peer(model, prompts, G, new, modes) -> list[dict]:
 def step_report(engine: Engine, B: int, explain: bool = True) -> dict:
     """What the decode step is made of under this engine's config: compiled graphs and every graph break
     (torch._dynamo.explain over the step, when compile=step and `explain`: the trace is the same for every
-    compiled mode of one backend, so the benchmark asks once per backend) and kernel launches per step (profiler, one
-    un-captured step; under CUDA graphs the same kernels replay from one graph launch)."""
+    compiled mode of one backend, so the benchmark asks once per backend) and kernel launches per step
+    (profiler, one un-captured step; under CUDA graphs the same kernels replay from one graph launch)."""
     st, kv, m, attn = engine.state, engine.kv, engine.model, engine.cfg.attn
     row = {}
     if engine.cfg.compile == "step" and explain:

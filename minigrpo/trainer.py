@@ -79,7 +79,7 @@ class TrainConfig:
     num_samples: int = 4
     seed: int = 0
     logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: chunk x vocab x 4 bytes)
-    activation_checkpointing: bool = False  # recompute each layer in backward: a fraction of the activations, +1 forward
+    activation_checkpointing: bool = False  # recompute layers in backward: far fewer activations, +1 forward
 
     def __post_init__(self):
         self.betas = tuple(self.betas)

@@ -144,7 +144,8 @@ def test_decode_rejects_bad_geometry():
 def rope_tolerance(dtype):
     """Exact under the interpreter. Compiled for the H200, 16% of fp16 outputs differed by one ulp of a
     product (up to 0.0039 at |x*c| in [2, 4)), as if x*c - y*s had become one FMA that skips one product's
-    rounding (as fp32 showed earlier); a cancelling difference makes that large relative to the result. So on a GPU: two ulps of the largest product (inputs are N(0, 1), |x| < 8, ulp <= 4 eps)."""
+    rounding (as fp32 showed earlier); a cancelling difference makes that large relative to the result.
+    So on a GPU: two ulps of the largest product (inputs are N(0, 1), |x| < 8, ulp <= 4 eps)."""
     if DEVICE != "cuda":
         return dict(atol=0, rtol=0, equal_nan=True)
     return dict(atol=2 * 4 * torch.finfo(dtype).eps, rtol=0, equal_nan=True)

@@ -287,6 +287,17 @@ def test_engine_backend_agrees_with_the_reference_and_is_synced_after_updates(tm
         assert b["logp_diff_max"] <= 1e-4
 
 
+def test_make_backend_sizes_the_engine_to_the_rollout_and_picks_cpu_defaults():
+    pytest.importorskip("minigrpo.engine", reason="the fast engine is not available")
+    from minigrpo.rollout import make_backend
+    model = tiny_policy(CharTokenizer().vocab_size, seed=0)
+    engine = make_backend("sdpa", model, pad_id=0, max_seq_len=40, max_batch=24)
+    assert (engine.cfg.compile, engine.cfg.cuda_graphs, engine.cfg.sampler) == ("none", False, "torch")
+    assert engine.cfg.bucket_sizes() == (8, 16, 24)
+    pages_per_seq = -(-40 // engine.cfg.page_size)
+    assert engine.kv.capacity <= 24 * pages_per_seq + 1  # no pool for sequences that never run
+
+
 # ------------------------------------------------------------------------------------------ small pieces
 
 

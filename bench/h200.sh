@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep
+#   bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
 set -u
@@ -28,10 +28,17 @@ case "${1:-}" in
         --device cuda --attn "$attn" -B 8 -G 8 --max-new-tokens 256 -K 2 --beta 0.04 --steps 2 --eval-every 0 \
         --save-every 0 --sample-every 0 --out "$OUT/train_$attn" "${@:2}" 2>&1 | tail -4
     done ;;
-  trainstep)   # every phase timed (stand-in reward, see bench/train_step.py), plus a full-logits update run
+  trainstep)   # every phase timed (stand-in reward, see bench/train_step.py), plus a full-logits update run;
+               # sdpa without compile saves its ~70 s step compile (only the phases after the rollout differ)
     [ -d /tmp/rand05b ] || python3 weights/download.py --random-init \
       --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
-    python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --full-logits "${@:2}" ;;
-  *) echo "usage: bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep [args]"
+    python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --attn triton,sdpa:none --steps 3 \
+      --full-logits "${@:2}" ;;
+  trainmem)    # update-phase memory with activation checkpointing: chunked vs full logits (no step compile)
+    [ -d /tmp/rand05b ] || python3 weights/download.py --random-init \
+      --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
+    python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --attn triton:none --full-logits \
+      -- --activation-checkpointing "${@:2}" ;;
+  *) echo "usage: bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem [args]"
      exit 2 ;;
 esac

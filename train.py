@@ -190,13 +190,17 @@ def build_gsm8k(args):
     return model, tokenizer, train, test, model_dir
 
 
-def max_seq_len(args, train, test) -> int | None:
-    """Longest prompt + completion budget the engine must hold (None for the reference backend)."""
-    if args.attn == "reference":
-        return None
-    budget = max(args.cfg.max_new_tokens, args.cfg.eval_max_new_tokens or 0)
-    tasks = [train] + ([test] if test is not None else [])
-    return max(len(t.prompt(i)) for t in tasks for i in range(len(t))) + budget
+def build_backend(args, model, tokenizer, train, test):
+    """The rollout backend for these flags, its engine sized to the run: block tables for the longest
+    prompt + completion budget, the KV pool for one rollout (B x G sequences)."""
+    longest = None
+    if args.attn != "reference":
+        budget = max(args.cfg.max_new_tokens, args.cfg.eval_max_new_tokens or 0)
+        tasks = [train] + ([test] if test is not None else [])
+        longest = max(len(t.prompt(i)) for t in tasks for i in range(len(t))) + budget
+    return make_backend(args.attn, model, pad_id=tokenizer.pad_id, compile=args.compile,
+                        cuda_graphs=args.cuda_graphs, max_seq_len=longest,
+                        max_batch=args.cfg.prompts_per_step * args.cfg.samples_per_prompt, sampler=args.sampler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,10 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args, dist, out: Path) -> int:
     try:
         model, tokenizer, train, test, model_dir = (build_smoke if args.preset == "smoke" else build_gsm8k)(args)
-        backend = make_backend(args.attn, model, pad_id=tokenizer.pad_id, compile=args.compile,
-                               cuda_graphs=args.cuda_graphs, max_seq_len=max_seq_len(args, train, test),
-                               max_batch=args.cfg.prompts_per_step * args.cfg.samples_per_prompt,
-                               sampler=args.sampler)
+        backend = build_backend(args, model, tokenizer, train, test)
         # Built before resuming: with --beta > 0 the KL reference is the initial policy, not the checkpoint.
         trainer = Trainer(args.cfg, model, tokenizer, train, backend, out, eval_task=test,
                           tokenizer_dir=model_dir, tensorboard=args.tensorboard, dist=dist)

@@ -25,7 +25,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
-from minigrpo.rollout import make_backend  # noqa: E402
 from minigrpo.trainer import Trainer  # noqa: E402
 
 
@@ -56,9 +55,7 @@ def run(spec: str, args, chunk: int, out: Path) -> list[dict]:
              "--logprob-chunk-size", str(chunk), "--out", str(out)]
     cli = train_cli.parse_args(flags + (["--compile", comp] if comp else []) + args.extra)
     model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli)
-    backend = make_backend(attn, model, pad_id=tokenizer.pad_id, compile=cli.compile, cuda_graphs=cli.cuda_graphs,
-                           max_seq_len=train_cli.max_seq_len(cli, task, None),
-                           max_batch=cli.cfg.prompts_per_step * cli.cfg.samples_per_prompt, sampler=cli.sampler)
+    backend = train_cli.build_backend(cli, model, tokenizer, task, None)
     trainer = Trainer(cli.cfg, model, tokenizer, StandInReward(task), backend, out, tokenizer_dir=model_dir)
     rows = [trainer.step() for _ in range(args.steps)]
     del trainer, backend, model

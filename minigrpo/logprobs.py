@@ -18,7 +18,6 @@ to get fully fp32 logits.
 
 Shape legend:
   N  sequences   T  positions   D  model width   V  vocabulary   M = N*T flattened tokens
-  P  prompt length (padded)     C  completion length (padded)
 """
 
 from __future__ import annotations
@@ -133,23 +132,3 @@ def token_logprobs(
         logp, entropy = out
         return logp.view(N, T), entropy.view(N, T)
     return out.view(N, T)
-
-
-def shift_for_completion(
-    hidden: torch.Tensor, input_ids: torch.Tensor, prompt_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Align hidden states with the completion tokens they score.
-
-    The causal LM's output at position t predicts token t+1. With (left-padded) prompts occupying
-    [0, P) and completions [P, T), completion tokens input_ids[:, P:T] are scored by hidden[:, P-1:T-1].
-    hidden (N, T, D), input_ids (N, T) -> (hidden (N, C, D), targets (N, C)) with C = T - P,
-    ready for token_logprobs. The last position's hidden state scores nothing and is dropped.
-    """
-    if hidden.shape[:2] != input_ids.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and input_ids {tuple(input_ids.shape)} disagree on (N, T)")
-    T = input_ids.shape[1]
-    if not 1 <= prompt_len < T:
-        raise ValueError(
-            f"need 1 <= prompt_len < T={T} (at least one prompt and one completion token), got {prompt_len}"
-        )
-    return hidden[:, prompt_len - 1 : T - 1], input_ids[:, prompt_len:]

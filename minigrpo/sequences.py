@@ -1,14 +1,18 @@
 """Prompt + completion sequences as one padded batch, and the policy's log-probs of the completion tokens.
 
-Layout of a row: the prompt left-padded to P, then the completion right-padded to C, T = P + C:
+Layout of a row: prompt and completion back to back from column 0, padding only at the end:
 
-    [pad pad p0 p1 p2 | c0 c1 c2 pad]      attn = [0 0 1 1 1 | 1 1 1 0]
+    [p0 p1 p2 c0 c1 c2 pad pad]        prompt_len 3, completion_len 3, T = max over rows of the two summed
 
-Left-padding the prompts puts every completion at the same columns [P, T), so all rows are scored by one
-slice. The model's positions count real tokens only, so a padded row computes exactly what it would alone.
-The causal LM's output at t predicts token t+1: completion tokens ids[:, P:T] are scored by hidden[:, P-1:T-1].
+Why right padding only: under a causal mask a token never sees anything to its right, so end padding can
+never reach a real token, and the training forward needs no attention mask at all. That keeps SDPA on
+its fused causal (flash) kernel; an explicit (n, T, T) padding mask would push it to a kernel that
+materialises the scores, several times slower and holding GBs of activations. Positions are 0..T-1 in
+every row, exactly what the row computes alone.
+The causal LM's output at t predicts token t+1, so completion token j of row i (column P_i + j) is scored
+by hidden[i, P_i - 1 + j]: one gather per row (`score_index`).
 
-Shape legend: n rows, P prompt length (padded), C completion length (padded), T = P + C, D hidden size.
+Shape legend: n rows, T columns, C completion length (padded, max over rows), D hidden size.
 """
 
 from __future__ import annotations
@@ -19,14 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from minigrpo.grpo import completion_mask
-from minigrpo.logprobs import shift_for_completion, token_logprobs
+from minigrpo.logprobs import token_logprobs
 from minigrpo.model import Qwen2ForCausalLM
 
 
 @dataclass
 class SequenceBatch:
-    ids: torch.Tensor         # (n, T) long: prompt left-padded to P, completion right-padded to C
-    attn: torch.Tensor        # (n, T) long: 1 = real token
+    ids: torch.Tensor         # (n, T) long: prompt + completion from column 0, right-padded
     mask: torch.Tensor        # (n, C) fp32 loss mask: completion tokens up to and including the first stop
     prompt_lens: list[int]
     completion_lens: list[int]
@@ -36,8 +39,14 @@ class SequenceBatch:
         return self.mask.shape[1]
 
     @property
-    def P(self) -> int:
-        return self.ids.shape[1] - self.C
+    def score_index(self) -> torch.Tensor:
+        """(n, C) long: the column whose output scores completion token j; token j sits at that column + 1.
+
+        Padding slots (j >= completion_len) are clamped into range; the loss mask zeroes them."""
+        T = self.ids.shape[1]
+        P = torch.tensor(self.prompt_lens, device=self.ids.device)                       # (n,)
+        j = torch.arange(self.C, device=self.ids.device)                                 # (C,)
+        return (P[:, None] - 1 + j).clamp(max=T - 2)                                     # (n, C)
 
     @classmethod
     def build(cls, prompts: list[list[int]], completions: list[list[int]], *, pad_id: int,
@@ -48,27 +57,26 @@ class SequenceBatch:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt must hold at least one token (its last one scores the first "
                              "completion token)")
-        P = max(len(p) for p in prompts)
-        C = max(1, max(len(c) for c in completions))
-        ids = torch.full((len(prompts), P + C), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(prompts), P + C), dtype=torch.long)
-        for i, (p, c) in enumerate(zip(prompts, completions)):
-            ids[i, P - len(p):P + len(c)] = torch.tensor(p + c, dtype=torch.long)
-            attn[i, P - len(p):P + len(c)] = 1
         lens = [len(c) for c in completions]
+        C = max(1, max(lens))
+        T = max(len(p) + max(1, len(c)) for p, c in zip(prompts, completions))
+        ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+        comp = torch.full((len(prompts), C), pad_id, dtype=torch.long)                   # (n, C)
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            ids[i, :len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+            comp[i, :len(c)] = torch.tensor(c, dtype=torch.long)
         # completion_mask stops after the first stop id; the length mask also drops the right padding, which
         # matters when the pad id is not a stop id and a row ended without one (truncated by a shorter budget).
         real = torch.arange(C)[None, :] < torch.tensor(lens)[:, None]                    # (n, C)
-        mask = completion_mask(ids[:, P:], stop_ids) * real                              # (n, C)
-        return cls(ids.to(device), attn.to(device), mask.to(device), [len(p) for p in prompts], lens)
+        mask = completion_mask(comp, stop_ids) * real                                    # (n, C)
+        return cls(ids.to(device), mask.to(device), [len(p) for p in prompts], lens)
 
     def select(self, rows: list[int]) -> "SequenceBatch":
-        """The given rows, with columns that are padding in all of them trimmed off both ends."""
-        P2 = max(self.prompt_lens[r] for r in rows)
+        """The given rows, with the columns that are padding in all of them trimmed off."""
         C2 = max(1, max(self.completion_lens[r] for r in rows))
+        T2 = max(self.prompt_lens[r] + max(1, self.completion_lens[r]) for r in rows)
         idx = torch.tensor(rows, device=self.ids.device)
-        cols = slice(self.P - P2, self.P + C2)
-        return SequenceBatch(self.ids[idx, cols], self.attn[idx, cols], self.mask[idx, :C2],
+        return SequenceBatch(self.ids[idx, :T2], self.mask[idx, :C2],
                              [self.prompt_lens[r] for r in rows], [self.completion_lens[r] for r in rows])
 
 
@@ -93,8 +101,10 @@ def completion_logprobs(model: Qwen2ForCausalLM, batch: SequenceBatch, *, temper
     amp = (torch.autocast(batch.ids.device.type, dtype=amp_dtype) if amp_dtype is not None
            else contextlib.nullcontext())
     with amp:
-        hidden = model.hidden_states(batch.ids, batch.attn, checkpoint_layers=checkpoint_layers)  # (n, T, D)
-    h, targets = shift_for_completion(hidden, batch.ids, batch.P)                          # (n, C, D), (n, C)
+        hidden = model.hidden_states(batch.ids, checkpoint_layers=checkpoint_layers)    # (n, T, D), no mask
+    idx = batch.score_index                                                                # (n, C)
+    h = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))                  # (n, C, D)
+    targets = batch.ids.gather(1, idx + 1)                                                 # (n, C)
     weight = model.lm_head.weight                                                          # (V, D)
     if amp_dtype is not None:
         h, weight = h.to(amp_dtype), weight.to(amp_dtype)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minigrpo.logprobs import shift_for_completion, token_logprobs
+from minigrpo.logprobs import token_logprobs
 
 N, T, D, V = 3, 5, 8, 50
 
@@ -145,31 +145,3 @@ def test_peak_tensor_is_one_chunk_of_logits():
     assert naive.largest >= n * t * v  # the probe sees the full logits when they exist...
     assert "scatter_add_" in ours.ops  # ...and it also sees our backward (the onehot add happens there)...
     assert ours.largest == max(chunk * v, v * d, n * t * d)  # ...where nothing exceeds one chunk (or the weight)
-
-
-def test_shift_for_completion_hand_made():
-    # Prompt length P = 2, completion tokens at positions 2, 3, 4 (T = 5).
-    input_ids = torch.tensor([[10, 11, 20, 21, 22], [12, 13, 23, 24, 25]])
-    hidden = torch.arange(5.0).view(1, 5, 1).expand(2, 5, 3)  # hidden[:, t, :] == t
-    h, targets = shift_for_completion(hidden, input_ids, prompt_len=2)
-    # token at position 2 is scored by the hidden state at 1, ..., token at 4 by the state at 3
-    assert targets.tolist() == [[20, 21, 22], [23, 24, 25]]
-    assert h[..., 0].tolist() == [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]
-    assert h.shape == (2, 3, 3)
-
-
-def test_shift_for_completion_scores_next_token():
-    # A "model" whose hidden state at t is one-hot of token t+1 with weight = 10 * identity puts almost all
-    # mass on the right next token iff the offset is right.
-    ids = torch.tensor([[3, 1, 4, 1, 5, 2]])
-    hidden = torch.nn.functional.one_hot(torch.roll(ids, -1, dims=1), 6).float()  # (1, 6, 6)
-    h, targets = shift_for_completion(hidden, ids, prompt_len=3)
-    logp = token_logprobs(h, 10 * torch.eye(6), targets)
-    assert (logp > -1e-3).all()
-
-
-def test_shift_for_completion_errors():
-    with pytest.raises(ValueError, match="1 <= prompt_len < T=5"):
-        shift_for_completion(torch.zeros(1, 5, 2), torch.zeros(1, 5, dtype=torch.long), prompt_len=5)
-    with pytest.raises(ValueError, match="disagree"):
-        shift_for_completion(torch.zeros(1, 4, 2), torch.zeros(1, 5, dtype=torch.long), prompt_len=2)

@@ -28,7 +28,7 @@ import torch
 
 from minigrpo import distributed
 from minigrpo.rollout import ATTN_BACKENDS, make_backend
-from minigrpo.trainer import Trainer, TrainConfig
+from minigrpo.trainer import WEIGHT_DTYPES, Trainer, TrainConfig
 
 # --preset sets these defaults; any flag given on the command line still wins.
 PRESETS = {
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue exactly from a checkpoint directory, or without a value from the newest "
                         "checkpoint in --out")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device (fp32 master weights; bf16 autocast on CUDA)")
+                   help="torch device")
     g.add_argument("--seed", type=int, default=D.seed, help="seeds data order, rollout sampling, shuffling")
     g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard (needs tensorboard)")
     g = p.add_argument_group("rollout engine")
@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-schedule", choices=["constant", "cosine"], default=D.lr_schedule, help="LR after warmup")
     g.add_argument("--min-lr-ratio", type=float, default=D.min_lr_ratio, help="cosine floor, as a fraction of --lr")
     g.add_argument("--steps", type=int, default=D.steps, help="RL steps (rollout + update) in total")
+    g.add_argument("--weights", choices=["fp32", "bf16"], default=D.weights,
+                   help="fp32: fp32 master weights and AdamW state, bf16 autocast on CUDA (16 bytes/param); "
+                        "bf16: bf16 weights and AdamW moments, updated with stochastic rounding (8 bytes/param)")
     g.add_argument("--logprob-chunk-size", type=int, default=D.logprob_chunk_size,
                    help="tokens per LM-head chunk when computing log-probs (memory: chunk x vocab x 4 bytes)")
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
@@ -145,7 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             eval_max_new_tokens=args.eval_max_new_tokens, save_every=args.save_every,
             keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,
             seed=args.seed, logprob_chunk_size=args.logprob_chunk_size,
-            activation_checkpointing=args.activation_checkpointing)
+            activation_checkpointing=args.activation_checkpointing, weights=args.weights)
     except ValueError as e:
         parser.error(str(e))
     if args.preset == "smoke" and args.model_dir is not None:
@@ -169,7 +172,7 @@ def build_smoke(args):
     # dominates, and on a busy CI machine a step gets 5x slower. One thread is the fastest.
     torch.set_num_threads(1)
     tokenizer = CharTokenizer()
-    model = tiny_policy(tokenizer.vocab_size, seed=args.seed, device=args.device)
+    model = tiny_policy(tokenizer.vocab_size, seed=args.seed, device=args.device).to(WEIGHT_DTYPES[args.weights])
     train = FirstDigitTask(tokenizer, num_examples=10_000, seed=args.seed)
     test = FirstDigitTask(tokenizer, num_examples=1_000, seed=args.seed + 1)
     return model, tokenizer, train, test, None
@@ -186,7 +189,7 @@ def build_gsm8k(args):
     tokenizer = Tokenizer.from_dir(model_dir)
     train = GSM8KTask(load_gsm8k("train", args.train_data), tokenizer)
     test = GSM8KTask(load_gsm8k("test", args.test_data), tokenizer) if args.cfg.eval_every else None
-    model = load_model(model_dir, dtype=torch.float32, device=args.device)  # fp32 master weights
+    model = load_model(model_dir, dtype=WEIGHT_DTYPES[args.weights], device=args.device)  # the trained copy
     return model, tokenizer, train, test, model_dir
 
 

@@ -18,8 +18,10 @@ through DDP; the math is the single-process step's (distributed.py). Step metric
 All randomness is derived from (seed, step, ...) on the spot, never from a global generator, so a
 resumed run reproduces an uninterrupted one.
 
-Precision: fp32 master weights and AdamW state. On CUDA the policy forward runs under bf16 autocast
-(tensor cores) and the LM head in bf16 with fp32 softmax (sequences.completion_logprobs); on CPU, fp32.
+Precision (`weights`): "fp32" keeps fp32 master weights and AdamW state; on CUDA the policy forward runs
+under bf16 autocast (tensor cores) and the LM head in bf16 with fp32 softmax (sequences.completion_logprobs);
+on CPU, fp32. "bf16" keeps the weights, gradients and AdamW moments in bf16 and updates them with
+stochastic rounding (optim.py): half the memory, for the same expected trajectory.
 
 Shape legend: B prompts per step, G samples per prompt, N = B*G rows, R = N/W rows of each of W ranks,
 n kept rows (of this rank), C completion length.
@@ -41,11 +43,14 @@ from minigrpo.distributed import Dist, GradSync
 from minigrpo.evaluate import evaluate
 from minigrpo.grpo import dr_grpo_loss, group_advantages, nonzero_groups
 from minigrpo.metrics import MetricsLogger, PhaseTimer
+from minigrpo.optim import StochasticAdamW
 from minigrpo.sampling import SamplingParams
 from minigrpo.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.train_state import load_checkpoint, save_checkpoint
 
-_ROLLOUT, _SHUFFLE = 0x5A3D, 0x5AFF  # stream tags for (seed, tag, step, ...) derivation
+_ROLLOUT, _SHUFFLE, _ROUND = 0x5A3D, 0x5AFF, 0x5A40  # stream tags for (seed, tag, step, ...) derivation
+
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # TrainConfig.weights -> the policy's dtype
 
 
 @dataclass
@@ -80,6 +85,7 @@ class TrainConfig:
     seed: int = 0
     logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: chunk x vocab x 4 bytes)
     activation_checkpointing: bool = False  # recompute layers in backward: far fewer activations, +1 forward
+    weights: str = "fp32"             # fp32 master weights (+ bf16 autocast on CUDA), or bf16 (optim.py)
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -97,6 +103,8 @@ class TrainConfig:
             raise ValueError(f"minibatch_size {self.minibatch_size} must divide the B*G = {rows} rows of a step")
         if self.samples_per_prompt < 2:
             raise ValueError("samples_per_prompt must be >= 2: a group of one always has zero advantage")
+        if self.weights not in WEIGHT_DTYPES:
+            raise ValueError(f"weights must be one of {sorted(WEIGHT_DTYPES)}, got {self.weights!r}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if not 0.0 < self.temperature:
@@ -133,21 +141,26 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, model, tokenizer, task, backend, out_dir: str | Path, *,
                  eval_task=None, tokenizer_dir: str | Path | None = None, tensorboard: bool = False,
                  echo: bool = True, dist: Dist = Dist()):
-        bad = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32"})
+        want = WEIGHT_DTYPES[cfg.weights]
+        bad = sorted({str(p.dtype) for p in model.parameters()} - {str(want)})
         if bad:
-            raise ValueError(f"the policy must hold fp32 master weights, found {bad}; load it with "
-                             f"dtype=torch.float32 (bf16 is used through autocast on CUDA)")
+            raise ValueError(f"weights={cfg.weights!r} needs the policy in {want}, found {bad}; load it with "
+                             f"dtype={want}")
         self.cfg, self.model, self.tokenizer, self.task, self.backend = cfg, model, tokenizer, task, backend
         self.eval_task, self.tokenizer_dir = eval_task, tokenizer_dir
         self.out_dir, self.tensorboard, self.echo = Path(out_dir), tensorboard, echo
         self.device = next(model.parameters()).device
-        self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+        self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.weights == "fp32" else None
         self.stop_ids, self.pad_id = tuple(tokenizer.stop_ids), tokenizer.pad_id
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
         # The KL anchor is the policy as it is now, before any update (also when resuming: see resume()).
         self.ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.kl_beta > 0 else None
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                           weight_decay=cfg.weight_decay, fused=self.device.type == "cuda")
+        if cfg.weights == "bf16":
+            self.optimizer = StochasticAdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                             weight_decay=cfg.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                               weight_decay=cfg.weight_decay, fused=self.device.type == "cuda")
         self.sampler = EpochSampler(len(task), cfg.seed)  # the global prompt order, the same on every rank
         self.dist = dist
         dist.shard(range(cfg.prompts_per_step), "prompts per step (-B)")  # fails now, not at step 1
@@ -268,6 +281,8 @@ class Trainer:
         zero = torch.zeros((), device=self.device)
         loss_sum, clip_sum, kl_sum, tok_sum = zero.clone(), zero.clone(), zero.clone(), zero.clone()
         norms, skipped_nonfinite = [], 0
+        opt_steps = cfg.inner_epochs * (N // M)
+        rounding = derive_seeds(cfg.seed, _ROUND, self.step_idx, opt_steps)  # per optimizer step (optim.py)
         for epoch in range(cfg.inner_epochs):
             order = np.random.default_rng([cfg.seed, _SHUFFLE, self.step_idx, epoch]).permutation(N).tolist()
             for start in range(0, N, M):
@@ -295,7 +310,11 @@ class Trainer:
                     tok_sum += ntok
                 norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
                 if torch.isfinite(norm):
-                    self.optimizer.step()
+                    if isinstance(self.optimizer, StochasticAdamW):
+                        k = epoch * (N // M) + start // M
+                        self.optimizer.step(torch.Generator(self.device).manual_seed(rounding[k]))
+                    else:
+                        self.optimizer.step()
                     norms.append(norm)
                 else:  # one bad batch must not poison the weights: drop its gradient
                     skipped_nonfinite += 1

@@ -16,7 +16,7 @@ from minigrpo.rollout import ReferenceBackend
 from minigrpo.sampling import SamplingParams
 from minigrpo.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
-from minigrpo.trainer import Trainer, TrainConfig, lr_factor
+from minigrpo.trainer import WEIGHT_DTYPES, Trainer, TrainConfig, lr_factor
 
 STOP, PAD = 31, 0
 
@@ -197,10 +197,10 @@ def test_only_informative_groups_are_forwarded_and_the_gradient_is_the_full_batc
 
 def _synthetic_trainer(out_dir, **overrides):
     tokenizer = CharTokenizer()
-    model = tiny_policy(tokenizer.vocab_size, seed=0)
     cfg = TrainConfig(**{"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": 3, "lr": 1e-3,
                          "micro_batch_size": 128, "eval_every": 0, "sample_every": 0, "save_every": 0,
                          "steps": 150, **overrides})
+    model = tiny_policy(tokenizer.vocab_size, seed=0).to(WEIGHT_DTYPES[cfg.weights])
     task = FirstDigitTask(tokenizer, 10_000, seed=0)
     return Trainer(cfg, model, tokenizer, task, ReferenceBackend(model, tokenizer.pad_id), out_dir, echo=False)
 
@@ -225,10 +225,12 @@ def _comparable(m):
     return {k: v for k, v in m.items() if not any(t in k for t in _TIMING)}
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    # Multiple inner epochs, shuffled minibatches, warmup + cosine, KL to a reference: every piece of state.
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, weights):
+    # Multiple inner epochs, shuffled minibatches, warmup + cosine, KL to a reference: every piece of state;
+    # with bf16 weights also the stochastic rounding's random bits.
     cfg = dict(steps=4, inner_epochs=2, minibatch_size=32, micro_batch_size=16, warmup_steps=2,
-               lr_schedule="cosine", kl_beta=0.05, lr=3e-3)
+               lr_schedule="cosine", kl_beta=0.05, lr=3e-3, weights=weights)
     full = _synthetic_trainer(tmp_path / "full", **cfg)
     expected = [full.step() for _ in range(4)]
 
@@ -241,7 +243,12 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert second.step_idx == 2
     resumed = [second.step(), second.step()]
     assert [_comparable(m) for m in resumed] == [_comparable(m) for m in expected[2:]]
+    for name, w in full.model.state_dict().items():
+        assert torch.equal(second.model.state_dict()[name], w), name
 
+    if weights == "bf16":  # the moments stay bf16, and the weights really moved
+        assert all(v["exp_avg"].dtype == torch.bfloat16 for v in second.optimizer.state.values())
+        assert not torch.equal(full.model.state_dict()["lm_head.weight"], first.ref.state_dict()["lm_head.weight"])
     with pytest.raises(ValueError, match="lr: checkpoint 0.003 vs now 0.001"):
         _synthetic_trainer(tmp_path / "other", **{**cfg, "lr": 1e-3}).resume(ckpt)
 
@@ -396,3 +403,13 @@ def test_gsm8k_task_prompt_and_reward():
     assert task.prompt(0) == tokenizer.encode_chat(build_messages("How many legs do 2 cats have?"))
     assert task.score(0, tokenizer.encode("So \\boxed{8}.<|im_end|>")) == (1.0, True)
     assert task.score(0, tokenizer.encode("So \\boxed{9}.<|im_end|>")) == (0.0, False)
+
+
+def test_policy_dtype_must_match_the_weights_setting(tmp_path):
+    tokenizer = CharTokenizer()
+    cfg = TrainConfig(prompts_per_step=2, samples_per_prompt=2, eval_every=0, weights="bf16")
+    model = tiny_policy(tokenizer.vocab_size, seed=0)  # fp32
+    with pytest.raises(ValueError, match=r"weights='bf16' needs the policy in torch.bfloat16, found \['torch.float32'\]"):
+        Trainer(cfg, model, tokenizer, FirstDigitTask(tokenizer, 10, seed=0), ReferenceBackend(model, 0), tmp_path)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        TrainConfig(weights="fp16")

@@ -1,0 +1,108 @@
+"""Stochastic rounding and the bf16 AdamW built on it (minigrpo/optim.py)."""
+
+import io
+
+import pytest
+import torch
+
+from minigrpo.optim import StochasticAdamW, round_stochastic
+
+
+def _bf16_neighbours(x: torch.Tensor):
+    """The bf16 values either side of fp32 x: truncated toward zero, and one bf16 spacing further out."""
+    bits = x.view(torch.int32) & -65536
+    return bits.view(torch.float32), (bits + 65536).view(torch.float32)
+
+
+def test_round_stochastic_is_unbiased_and_lands_on_a_neighbour():
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(8, generator=g) * 10.0 ** torch.arange(-4, 4), torch.tensor([1e-30, -3e20])])
+    lo, hi = _bf16_neighbours(x)
+    frac = (x - lo) / (hi - lo)                                    # where x sits between them, in [0, 1)
+    r = round_stochastic(x.repeat(50_000, 1), g).float()           # (n, 10)
+    assert ((r == lo) | (r == hi)).all()
+    p_hi = (r == hi).float().mean(0)
+    assert torch.allclose(p_hi, frac, atol=0.01), (p_hi, frac)    # unbiased: P(further out) = frac
+    assert torch.equal(round_stochastic(lo.repeat(100, 1), g).float(), lo.repeat(100, 1))  # exact stays exact
+
+
+def test_round_stochastic_uses_the_generator():
+    x = torch.full((4096,), 1.0 + 2**-9)
+    a = round_stochastic(x, torch.Generator().manual_seed(1))
+    b = round_stochastic(x, torch.Generator().manual_seed(1))
+    c = round_stochastic(x, torch.Generator().manual_seed(2))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def _run(opt_cls, w0, steps, lr, dtype, weight_decay=0.1, flip=True):
+    w = torch.nn.Parameter(w0.clone().to(dtype))
+    opt = opt_cls([w], lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
+    g = torch.Generator().manual_seed(0)
+    for t in range(steps):
+        phase = torch.arange(w.numel()).float() + (t if flip else 0)
+        w.grad = (torch.sin(phase) * 1e-3).view_as(w).to(dtype)
+        opt.step(g) if opt_cls is StochasticAdamW else opt.step()
+    return w.detach().float()
+
+
+def test_one_step_is_torch_adamw_rounded_to_a_neighbour():
+    # lr 1e-2 and weight decay 1.0 move a weight of ~1 by >= 1% (over one bf16 spacing, 0.4-0.8%) through
+    # each term, so a wrong bias correction or decay lands outside the two neighbours of the fp32 result.
+    w0 = torch.randn(4096, generator=torch.Generator().manual_seed(0)).bfloat16().float()
+    ref = _run(torch.optim.AdamW, w0, steps=1, lr=1e-2, dtype=torch.float32, weight_decay=1.0)
+    ours = _run(StochasticAdamW, w0, steps=1, lr=1e-2, dtype=torch.bfloat16, weight_decay=1.0)
+    lo, hi = _bf16_neighbours(ref)
+    assert ((ours == lo) | (ours == hi)).all()
+
+
+def test_many_steps_stay_within_a_spacing_per_step_of_torch_adamw():
+    w0 = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).bfloat16().float()
+    ref = _run(torch.optim.AdamW, w0, steps=5, lr=1e-2, dtype=torch.float32)
+    ours = _run(StochasticAdamW, w0, steps=5, lr=1e-2, dtype=torch.bfloat16)
+    bound = 5 * 2**-7 * (w0.abs() + 5 * 1e-2)  # each of the 5 roundings is under one spacing of |w| <= this
+    assert ((ours - ref).abs() <= bound).all()
+
+
+def test_small_lr_updates_survive_where_round_to_nearest_loses_them():
+    # lr 1e-6 on weights of ~0.02 (bf16 spacing ~1.2e-4): the RL regime. 50 steps move each weight ~5e-5.
+    w0 = (0.02 + 0.001 * torch.rand(32768, generator=torch.Generator().manual_seed(0))).bfloat16().float()
+    kw = dict(steps=50, lr=1e-6, flip=False)
+    ref = _run(torch.optim.AdamW, w0, dtype=torch.float32, **kw) - w0
+    nearest = _run(torch.optim.AdamW, w0, dtype=torch.bfloat16, **kw) - w0
+    ours = _run(StochasticAdamW, w0, dtype=torch.bfloat16, **kw) - w0
+    assert nearest.abs().max() == 0                                # plain bf16 AdamW never moves
+    assert ref.abs().mean() > 3e-5
+    # ours moves each weight by its fp32 displacement on average (the per-weight noise averages out)
+    assert abs((ours - ref).mean()) < 0.05 * ref.abs().mean(), ((ours - ref).mean(), ref.abs().mean())
+    assert torch.corrcoef(torch.stack([ours, ref]))[0, 1] > 0.3
+
+
+def test_state_dict_round_trip_continues_exactly():
+    w0 = torch.randn(300, generator=torch.Generator().manual_seed(0))
+
+    def make():
+        w = torch.nn.Parameter(w0.clone().bfloat16())
+        return w, StochasticAdamW([w], lr=1e-3, chunk=128)  # several chunks per tensor
+
+    def step(w, opt, t):
+        w.grad = torch.full_like(w, 0.5 - t % 2)
+        opt.step(torch.Generator().manual_seed(t))
+
+    a, opt_a = make()
+    for t in range(3):
+        step(a, opt_a, t)
+    b, opt_b = make()
+    b.data.copy_(a.data)
+    saved = io.BytesIO()
+    torch.save(opt_a.state_dict(), saved)  # as a checkpoint does: no tensor shared with opt_a
+    saved.seek(0)
+    opt_b.load_state_dict(torch.load(saved))
+    step(a, opt_a, 3)
+    step(b, opt_b, 3)
+    assert torch.equal(a, b)
+    assert opt_b.state[b]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_rejects_fp32_parameters():
+    with pytest.raises(ValueError, match="bf16 parameters, got torch.float32"):
+        StochasticAdamW([torch.nn.Parameter(torch.zeros(3))])

@@ -10,12 +10,19 @@ The noise is the reference's: the same 31-bit hash of (seed, counter, vocabulary
 draws the same token with either sampler (up to ties at float rounding).
 
 Why it is shaped this way (measured on the H200, or counted in the sm_90 SASS; see bench/NOTES.md):
-* The work is arithmetic, not bytes: the loop runs ~100 instructions per element. Half of them are the
-  two `tl.log` calls (libdevice's software logf), ~20 the hash. The reference keeps its 31-bit hash values
-  in int64 so that every backend computes them without overflow; here the low 31 bits of each product
-  are computed in uint32, where wrap-around is defined and the bits are the same, instead of emulated
-  int64 multiplies. The inner log must stay precise: -log(u) for u near 1 is the small Exp(1) draw that
-  makes a token win, exactly where the hardware lg2's absolute error (~2^-22) would be largest.
+* The work is arithmetic, not bytes. The loop first ran 102 instructions per element; it now runs 67.
+  - Half of the 102 were the two `tl.log` calls (libdevice's software logf). The outer log of
+    -log(-log(u)) now uses the hardware lg2 (`fast_logf`): its error of about 2^-22 relative to log(E)
+    cannot reorder scores whose gaps are far larger.
+  - The inner log must stay precise. -log(u) for u near 1 is the small Exp(1) draw that makes a token
+    win, and there the hardware lg2's absolute error (~2^-22) would be largest.
+  - The online sum of exponentials takes one exp per element, not two. exp(-|x - m|) serves both
+    cases: a new maximum rescales the sum, any other value adds to it.
+  - There is no division at temperature 1, the RL default. Dividing by 1 is exact, so the draws do
+    not change.
+  - About 20 instructions are the hash. The reference keeps its 31-bit hash values in int64, so that
+    every backend computes them without overflow. Here the low 31 bits of each product are computed in
+    uint32 (wrap-around is defined, the bits are the same), instead of emulated int64 multiplies.
 * One program per row left the GPU half idle at 64 rows (0.24 ms). The vocabulary is split into chunks
   so that rows x chunks fills every SM several times; a small second kernel merges the chunks (max,
   rescaled sum, first argmax), as split-K decode attention merges its splits. Measured: 0.067 ms at
@@ -37,6 +44,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from triton.language.extra import libdevice
+
 from kernels.decode_attention import INTERPRETED, _num_sms, check_runnable
 
 BLOCK_V = 1024            # elements per lane-vector step
@@ -56,7 +65,8 @@ def _mix31(x):
 
 @triton.jit
 def _gumbel_chunk_kernel(logits_ptr, seeds_ptr, counters_ptr, m_ptr, s_ptr, best_ptr, idx_ptr,
-                         stride_b, V, chunk, temperature, NC: tl.constexpr, BLOCK: tl.constexpr):
+                         stride_b, V, chunk, temperature, NC: tl.constexpr, BLOCK: tl.constexpr,
+                         UNIT_T: tl.constexpr, FAST_LOG: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
     m31 = tl.full([], 0x7FFFFFFF, tl.uint32)
@@ -73,19 +83,26 @@ def _gumbel_chunk_kernel(logits_ptr, seeds_ptr, counters_ptr, m_ptr, s_ptr, best
     for start in range(lo, hi, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         ok = idx < hi
-        # .to: under torch.compile the Python-float temperature can arrive as fp64, which would change
-        # the loop-carried types (Triton rejects that). Division, not a reciprocal: the reference's rounding.
-        x = (tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32) / temperature).to(tl.float32)
+        x = tl.load(row + idx, mask=ok, other=float("-inf")).to(tl.float32)
+        if not UNIT_T:
+            # .to: under torch.compile the Python-float temperature can arrive as fp64, which would change
+            # the loop-carried types (Triton rejects that). Division, not a reciprocal: the reference's rounding.
+            x = (x / temperature).to(tl.float32)
         bits = _mix31(_mix31(key ^ idx.to(tl.uint32)))
         u = ((bits >> 7).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        score = x - tl.log(-tl.log(u))                 # masked lanes: -inf
+        e = -tl.log(u)                                 # Exp(1): precise (module doc)
+        if FAST_LOG:
+            score = x - libdevice.fast_logf(e)         # masked lanes: -inf
+        else:                                          # the CPU interpreter has no fast_logf
+            score = x - tl.log(e)
         better = score > best                          # strict: the earlier index wins a tie
         best_idx = tl.where(better, idx, best_idx)
         best = tl.where(better, score, best)
-        m_new = tl.maximum(m, x)
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a lane with nothing valid yet stays at s = 0
-        s = s * tl.exp(m - ref) + tl.exp(x - ref)
-        m = m_new
+        # s = sum exp(x - m) per lane with one exp: d = exp(-|x - m|) rescales for a new max, else adds.
+        # A lane with nothing valid yet (m = -inf) gets d = 0, so its first value sets s = 1.
+        d = tl.exp(-tl.abs(x - m))
+        s = tl.where(x == float("-inf"), s, tl.where(x > m, s * d + 1.0, s + d))
+        m = tl.maximum(m, x)
     M = tl.max(m, 0)
     S = tl.sum(s * tl.exp(m - tl.where(M == float("-inf"), 0.0, M)), 0)
     BEST = tl.max(best, 0)
@@ -146,7 +163,8 @@ def gumbel_sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Ten
     m, s, best = (torch.empty(B, NC, dtype=torch.float32, device=dev) for _ in range(3))  # (B, NC) each
     idx = torch.empty(B, NC, dtype=torch.int32, device=dev)                               # (B, NC)
     wrap_triton(_gumbel_chunk_kernel)[(B, NC)](logits, seeds, counters, m, s, best, idx, logits.stride(0), V,
-                                               chunk, temperature, NC=NC, BLOCK=BLOCK_V, num_warps=4)
+                                               chunk, temperature, NC=NC, BLOCK=BLOCK_V,
+                                               UNIT_T=temperature == 1.0, FAST_LOG=not INTERPRETED, num_warps=4)
     tokens = torch.empty(B, dtype=torch.int64, device=dev)
     logp = torch.empty(B, dtype=torch.float32, device=dev)
     wrap_triton(_gumbel_merge_kernel)[(B,)](logits, m, s, best, idx, tokens, logp, logits.stride(0), V,

@@ -68,7 +68,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--data", required=True, help="folder holding gsm8k/train.jsonl")
-    p.add_argument("--attn", default="triton,sdpa", help="BACKEND[:COMPILE], comma-separated")
+    p.add_argument("--attn", default="triton,sdpa", help="BACKEND[:COMPILE], comma-separated ('' = none: only "
+                   "the --full-logits run)")
     p.add_argument("--full-logits-attn", default="triton:none", help="the backend of the --full-logits run")
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=2, help="steps per backend; the last one is reported")
@@ -80,7 +81,7 @@ def main():
             "rollout_tokens_per_s", "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb",
             "trained_rows", "loss", "kl", "clip_frac", "grad_norm", "logp_diff_mean", "logp_diff_max")
     result = {}
-    runs = [(a, 1024) for a in args.attn.split(",")] + ([(args.full_logits_attn, 1 << 30)] if args.full_logits else [])
+    runs = [(a, 1024) for a in args.attn.split(",") if a] + ([(args.full_logits_attn, 1 << 30)] if args.full_logits else [])
     for attn, chunk in runs:
         name = (f"{attn}_full_logits" if chunk != 1024 else attn).replace(":", "_compile_")
         rows = run(attn, args, chunk, out / f"train_{name}")

@@ -117,10 +117,11 @@ def test_decode_strided_q():
 
 
 def test_num_splits_from_static_shapes():
-    # want = cdiv(4 programs/SM * 132 SMs, batch * kv_heads); cap = max_tokens // 128; at most 32.
-    assert kda.choose_num_splits(256, 2, 2048, 132) == 2       # 512 programs already: one more split
-    assert kda.choose_num_splits(64, 2, 512, 132) == 4         # wants 5, capped by 512 // 128
-    assert kda.choose_num_splits(64, 2, 4096, 132) == 5
+    # want = cdiv(3 programs/SM * 132 SMs, batch * kv_heads); cap = max_tokens // 128; at most 32.
+    assert kda.choose_num_splits(256, 2, 2048, 132) == 1       # 512 programs already: 3.9 per SM
+    assert kda.choose_num_splits(64, 2, 512, 132) == 4         # 128 programs: 4 splits reach 3 per SM
+    assert kda.choose_num_splits(64, 2, 256, 132) == 2         # capped by 256 // 128
+    assert kda.choose_num_splits(16, 2, 4096, 132) == 13
     assert kda.choose_num_splits(1, 2, 64, 132) == 1           # too short to split
     assert kda.choose_num_splits(1, 1, 1 << 20, 132) == 32     # never more than MAX_SPLITS
     assert kda.choose_num_splits(1024, 2, 4096, 132) == 1

@@ -77,6 +77,7 @@ def main():
     p.add_argument("extra", nargs="*", help="more train.py flags (after --)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
     keys = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_sync", "time_step",
             "rollout_tokens_per_s", "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb",
             "trained_rows", "loss", "kl", "clip_frac", "grad_norm", "logp_diff_mean", "logp_diff_max")

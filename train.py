@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows per optimizer step; 0 = all B*G rows (one step per inner epoch)")
     g.add_argument("--micro-batch-size", type=int, default=D.micro_batch_size,
                    help="rows per forward/backward (gradient accumulation; changes memory, not the math)")
+    g.add_argument("--score-batch-size", type=int, default=D.score_batch_size,
+                   help="rows per no-grad forward for the old / reference log-probs (no activations are kept, "
+                        "so it can be larger than --micro-batch-size)")
     g.add_argument("--eps", type=float, default=D.eps, help="PPO clip range: ratio clipped to [1-eps, 1+eps_high]")
     g.add_argument("--eps-high", type=float, default=D.eps_high, help="upper clip (clip-higher); default = --eps")
     g.add_argument("--beta", type=float, default=D.kl_beta,
@@ -108,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weights", choices=["fp32", "bf16"], default=D.weights,
                    help="fp32: fp32 master weights and AdamW state, bf16 autocast on CUDA (16 bytes/param); "
                         "bf16: bf16 weights and AdamW moments, updated with stochastic rounding (8 bytes/param)")
+    g.add_argument("--compile-policy", action=argparse.BooleanOptionalAction, default=D.compile_policy,
+                   help="torch.compile the policy's decoder layers for the training and scoring forwards "
+                        "(fused elementwise ops, fewer kernel launches; one compile at the first step)")
     g.add_argument("--logprob-chunk-size", type=int, default=D.logprob_chunk_size,
                    help="tokens per LM-head chunk when computing log-probs (memory: chunk x vocab x 4 bytes)")
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
@@ -140,7 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.cfg = TrainConfig(
             prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
             max_new_tokens=args.max_new_tokens, inner_epochs=args.inner_epochs, minibatch_size=args.minibatch_size,
-            micro_batch_size=args.micro_batch_size, lr=args.lr, betas=tuple(args.betas),
+            micro_batch_size=args.micro_batch_size, score_batch_size=args.score_batch_size, lr=args.lr, betas=tuple(args.betas),
             weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps,
             lr_schedule=args.lr_schedule, min_lr_ratio=args.min_lr_ratio, eps=args.eps, eps_high=args.eps_high,
             kl_beta=args.beta, temperature=args.temperature, top_p=args.top_p, steps=args.steps,
@@ -148,7 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             eval_max_new_tokens=args.eval_max_new_tokens, save_every=args.save_every,
             keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,
             seed=args.seed, logprob_chunk_size=args.logprob_chunk_size,
-            activation_checkpointing=args.activation_checkpointing, weights=args.weights)
+            activation_checkpointing=args.activation_checkpointing, weights=args.weights,
+            compile_policy=args.compile_policy)
     except ValueError as e:
         parser.error(str(e))
     if args.preset == "smoke" and args.model_dir is not None:

@@ -58,6 +58,17 @@ def run(spec: str, args, chunk: int, out: Path) -> list[dict]:
     backend = train_cli.build_backend(cli, model, tokenizer, task, None)
     trainer = Trainer(cli.cfg, model, tokenizer, StandInReward(task), backend, out, tokenizer_dir=model_dir)
     rows = [trainer.step() for _ in range(args.steps)]
+    if args.profile:  # one more step under the profiler: where the time goes, GPU kernels vs host
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            prof_row = trainer.step()
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in events)
+        summary = (f"profiled step: {prof_row['time_step']:.3f} s wall (phases {', '.join(f'{k[5:]} {v:.3f}' for k, v in prof_row.items() if k.startswith('time_') and k != 'time_step')}); "
+                   f"GPU kernels busy {gpu_us / 1e6:.3f} s; kernel launches "
+                   f"{sum(e.count for e in events if e.key in ('cudaLaunchKernel', 'cuLaunchKernel', 'cudaLaunchKernelExC'))}\n")
+        (out / "profile.txt").write_text(summary + events.table(sort_by="self_cuda_time_total", row_limit=30))
+        print(summary, flush=True)
     del trainer, backend, model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -74,6 +85,7 @@ def main():
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=2, help="steps per backend; the last one is reported")
     p.add_argument("--full-logits", action="store_true", help="also one run with unchunked log-probs")
+    p.add_argument("--profile", action="store_true", help="profile one extra step (profile.txt in each run's folder)")
     p.add_argument("extra", nargs="*", help="more train.py flags (after --)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "."))

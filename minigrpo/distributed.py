@@ -108,8 +108,8 @@ class _Forward(torch.nn.Module):
         super().__init__()
         self.model, self.fn = model, fn
 
-    def forward(self, batch):
-        return self.fn(self.model, batch)
+    def forward(self, batch, *args):
+        return self.fn(self.model, batch, *args)
 
 
 class GradSync:
@@ -133,8 +133,8 @@ class GradSync:
             return contextlib.nullcontext()
         return self.module.no_sync()
 
-    def __call__(self, batch):
-        return self.module(batch)
+    def __call__(self, batch, *args):
+        return self.module(batch, *args)
 
     @property
     def loss_scale(self) -> float:

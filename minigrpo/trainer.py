@@ -5,8 +5,11 @@ One step (`Trainer.step`):
   2. reward    task.score per completion; A = r - mean of its group (no std division: Dr. GRPO, grpo.py)
   3. filter    a group whose advantages are all zero has no gradient: its rows are dropped before any
                forward; if no group is left the update is skipped (and logged as such)
-  4. logprobs  old log-probs (the policy before this step's updates) once, without grad; reference
-               log-probs from a frozen copy of the initial policy only when kl_beta > 0
+  4. logprobs  reference log-probs from a frozen copy of the initial policy, only when kl_beta > 0; old
+               log-probs (the policy before this step's updates): with one minibatch per epoch (the default)
+               they come free from the first epoch's own forward, during which the policy has not moved
+               yet; otherwise from a separate pass without grad. Both passes keep no activations, so they
+               run in larger micro-batches (score_batch_size)
   5. update    K epochs over shuffled minibatches of the B*G rows; each minibatch is one AdamW step on the
                clipped surrogate (+ beta * k3 KL), normalised as token-sum / (minibatch rows x max_new_tokens)
                and accumulated over micro-batches (memory only). Dropped rows still count in the normaliser,
@@ -61,6 +64,7 @@ class TrainConfig:
     inner_epochs: int = 1             # K: passes over each rollout batch (1 = on-policy)
     minibatch_size: int = 0           # rows per optimizer step; 0 = all B*G rows (one step per epoch)
     micro_batch_size: int = 16        # rows per forward/backward (gradient accumulation: memory only)
+    score_batch_size: int = 64        # rows per no-grad scoring forward (old / reference log-probs)
     lr: float = 1e-6
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
@@ -86,11 +90,12 @@ class TrainConfig:
     logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: chunk x vocab x 4 bytes)
     activation_checkpointing: bool = False  # recompute layers in backward: far fewer activations, +1 forward
     weights: str = "fp32"             # fp32 master weights (+ bf16 autocast on CUDA), or bf16 (optim.py)
+    compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
         positive = ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "inner_epochs",
-                    "micro_batch_size", "steps", "eval_batch_size", "logprob_chunk_size")
+                    "micro_batch_size", "score_batch_size", "steps", "eval_batch_size", "logprob_chunk_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -155,6 +160,14 @@ class Trainer:
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
         # The KL anchor is the policy as it is now, before any update (also when resuming: see resume()).
         self.ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.kl_beta > 0 else None
+        if cfg.compile_policy:
+            # Eager, a decoder layer is ~50 small kernels forward (norms, RoPE, SwiGLU, casts) and twice that
+            # backward; the 0.5B model's micro-batches leave the GPU waiting on their launches. Compiled, the
+            # elementwise ops fuse. Parameters are graph inputs, so one compile (symbolic batch and length)
+            # serves every layer of both models; nn.Module.compile keeps the state-dict names.
+            for m in (model, self.ref) if self.ref is not None else (model,):
+                for layer in m.model.layers:
+                    layer.compile(dynamic=True)
         if cfg.weights == "bf16":
             self.optimizer = StochasticAdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                              weight_decay=cfg.weight_decay)
@@ -214,20 +227,25 @@ class Trainer:
             rows = kept or [0]  # a stand-in row, trained with zero weight (_update), when this rank has none
             batch = SequenceBatch.build([prompts[r // G] for r in rows], [rollout.tokens[r] for r in rows],
                                         pad_id=self.pad_id, stop_ids=self.stop_ids, device=dev)
-            old_logp, entropy = self._score(self.model, batch, return_entropy=True)      # (n, C) each
-            ref_logp = self._score(self.ref, batch)[0] if self.ref is not None else None
+            ref_logp = self._score(self.ref, batch)[0] if self.ref is not None else None  # (n, C)
+            if (cfg.minibatch_size or N) == N:  # old log-probs from the first epoch's forward (step 4)
+                old_logp, entropy = None, None
+            else:
+                old_logp, entropy = self._score(self.model, batch, return_entropy=True)  # (n, C) each
+            timer.lap("logprobs")
+            if dev.type == "cuda":  # the update's own peak, above the resident weights and optimizer state
+                peak_before, resident = torch.cuda.max_memory_allocated(dev), torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            update, old_logp, entropy = self._update(batch, old_logp, entropy, ref_logp, adv[rows].to(dev), kept,
+                                                     all_keep)
+            m.update(update)
+            timer.lap("update")
             sampled = pad_rows([rollout.logprobs[r] for r in rows], batch.C, dev)        # (n, C)
             mask = batch.mask * bool(kept)
             diff = (sampled - old_logp).abs() * mask
             ent_sum, diff_sum, tokens = dist.sum(torch.stack([(entropy * mask).sum(), diff.sum(), mask.sum()]))
             m.update(entropy=(ent_sum / tokens).item(), logp_diff_mean=(diff_sum / tokens).item(),
                      logp_diff_max=dist.max(diff.max()).item())
-            timer.lap("logprobs")
-            if dev.type == "cuda":  # the update's own peak, above the resident weights and optimizer state
-                peak_before, resident = torch.cuda.max_memory_allocated(dev), torch.cuda.memory_allocated(dev)
-                torch.cuda.reset_peak_memory_stats(dev)
-            m.update(self._update(batch, old_logp, ref_logp, adv[rows].to(dev), kept, all_keep))
-            timer.lap("update")
             if dev.type == "cuda":
                 update_peak = torch.cuda.max_memory_allocated(dev)
                 m.update(peak_mem_update_gb=update_peak / 2**30, update_working_mem_gb=(update_peak - resident) / 2**30,
@@ -250,8 +268,8 @@ class Trainer:
         n, C = len(batch.prompt_lens), batch.C
         logp = torch.zeros((n, C), dtype=torch.float32, device=self.device)
         entropy = torch.zeros((n, C), dtype=torch.float32, device=self.device) if return_entropy else None
-        for s in range(0, n, self.cfg.micro_batch_size):
-            rows = list(range(s, min(s + self.cfg.micro_batch_size, n)))
+        for s in range(0, n, self.cfg.score_batch_size):
+            rows = list(range(s, min(s + self.cfg.score_batch_size, n)))
             mb = batch.select(rows)
             out = self._logprobs(model, mb, return_entropy)
             lp, ent = out if return_entropy else (out, None)
@@ -266,12 +284,19 @@ class Trainer:
                                    return_entropy=return_entropy,
                                    checkpoint_layers=self.cfg.activation_checkpointing)
 
-    def _update(self, batch, old_logp, ref_logp, adv, kept: list[int], all_keep: torch.Tensor) -> dict:
-        """K epochs of minibatch AdamW steps over the kept rows. adv (n,), old/ref_logp (n, C), all_keep (N,).
+    def _update(self, batch, old_logp, entropy, ref_logp, adv, kept: list[int], all_keep: torch.Tensor):
+        """K epochs of minibatch AdamW steps over the kept rows. adv (n,), old/ref_logp, entropy (n, C), all_keep (N,).
 
+        old_logp None (one minibatch per epoch): the first epoch's forward, before any optimizer step, is
+        the old policy's; its log-probs (and entropy) fill old_logp, and its ratios are exactly 1.
         Minibatches are drawn from all ranks' rows, so the ranks take the same optimizer steps. A rank with
-        none of a minibatch's rows backwards a stand-in row at zero weight: DDP needs every rank's backward."""
+        none of a minibatch's rows backwards a stand-in row at zero weight: DDP needs every rank's backward.
+        Returns (metrics, old_logp, entropy)."""
         cfg = self.cfg
+        fill = old_logp is None
+        if fill:
+            old_logp = torch.zeros(batch.mask.shape, dtype=torch.float32, device=self.device)  # (n, C)
+            entropy = torch.zeros_like(old_logp)
         N = cfg.prompts_per_step * cfg.samples_per_prompt
         M = cfg.minibatch_size or N
         offset = self.dist.rank * (N // self.dist.world)  # global index of this rank's first rollout row
@@ -295,7 +320,11 @@ class Trainer:
                     mb = batch.select(sub)
                     idx = torch.tensor(sub, device=self.device)
                     with self.policy.accumulate(last=u == max(len(micro), 1) - 1):  # all-reduce on the last
-                        logp = self.policy(mb)                                           # (m, C')
+                        if fill and epoch == 0:
+                            logp, ent = self.policy(mb, True)                            # (m, C') each
+                            old_logp[idx, :mb.C], entropy[idx, :mb.C] = logp.detach(), ent
+                        else:
+                            logp = self.policy(mb)                                       # (m, C')
                         loss, stats = dr_grpo_loss(
                             logp, old_logp[idx, :mb.C], adv[idx], mb.mask, eps_low=cfg.eps, eps_high=cfg.eps_high,
                             ref_logp=ref_logp[idx, :mb.C] if ref_logp is not None else None, beta=cfg.kl_beta,
@@ -328,7 +357,7 @@ class Trainer:
             out["nonfinite_grad_steps"] = skipped_nonfinite
         if ref_logp is not None:
             out["kl"] = (kl_sum / tok_sum.clamp(min=1)).item()
-        return out
+        return out, old_logp, entropy
 
     # ------------------------------------------------------------------------------------------- the loop
 

@@ -172,8 +172,9 @@ def test_only_informative_groups_are_forwarded_and_the_gradient_is_the_full_batc
 
     trainer.optimizer.step = capture
     m = trainer.step()
-    # 8 informative rows in micro-batches of 3: old-logprob pass then the update pass; the dropped group never
-    assert rows == [3, 3, 2, 3, 3, 2] and m["trained_rows"] == 8 and backend.syncs == 1
+    # 8 informative rows in micro-batches of 3, forwarded once: with one minibatch per epoch the old log-probs
+    # come from the update's own forward. The dropped group is never forwarded.
+    assert sorted(rows) == [2, 3, 3] and m["trained_rows"] == 8 and backend.syncs == 1
 
     # Reference: the Dr. GRPO loss over ALL 12 rows, each row scored alone (no padding) from full logits.
     G, L = 4, 6
@@ -190,6 +191,41 @@ def test_only_informative_groups_are_forwarded_and_the_gradient_is_the_full_batc
     (torch.stack(losses).sum() / (12 * L)).backward()
     for name, p in initial.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_old_logprobs_from_the_first_epoch_equal_a_separate_scoring_pass(tmp_path):
+    model = random_model(tiny_config(tied=False, vocab=32), seed=3, std=0.1).train()
+    initial = copy.deepcopy(model)
+    script = {4: [[10, STOP], [11, 12, STOP], [10, 13, 14, 15, 16, 17], [12, STOP]],
+              6: [[13, STOP], [10, 10, STOP], [14], [15, 16, STOP]]}
+    trainer, _ = _trainer(model, script, [[4, 5], [6]], tmp_path, micro_batch_size=3, inner_epochs=2)
+    real, seen = trainer._update, {}
+
+    def spy(batch, old_logp, entropy, *rest):
+        assert old_logp is None and entropy is None  # one minibatch per epoch: no separate pass
+        out = real(batch, old_logp, entropy, *rest)
+        seen.update(batch=batch, old=out[1], entropy=out[2])
+        return out
+
+    trainer._update = spy
+    m = trainer.step()
+    assert m["optimizer_steps"] == 2 and not torch.equal(initial.lm_head.weight, model.lm_head.weight)
+    old, entropy = trainer._score(initial, seen["batch"], return_entropy=True)  # the policy before the step
+    mask = seen["batch"].mask.bool()
+    torch.testing.assert_close(seen["old"][mask], old[mask], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(seen["entropy"][mask], entropy[mask], atol=1e-6, rtol=1e-6)
+
+
+def test_several_minibatches_score_the_old_policy_in_a_separate_pass(tmp_path):
+    model = random_model(tiny_config(tied=False, vocab=32), seed=3, std=0.1).train()
+    script = {4: [[10, STOP], [11, 12, STOP], [10, 13, 14, 15, 16, 17], [12, STOP]],
+              6: [[13, STOP], [10, 10, STOP], [14], [15, 16, STOP]]}
+    trainer, _ = _trainer(model, script, [[4, 5], [6]], tmp_path, micro_batch_size=2, minibatch_size=4,
+                          score_batch_size=5)
+    rows = _count_forward_rows(model)
+    m = trainer.step()
+    # the no-grad pass in score-batches of 5, then two minibatches of 4 rows in micro-batches of 2
+    assert rows[:2] == [5, 3] and rows[2:] == [2, 2, 2, 2] and m["optimizer_steps"] == 2
 
 
 # ------------------------------------------------------------------------------------------ learning and resume
@@ -413,3 +449,17 @@ def test_policy_dtype_must_match_the_weights_setting(tmp_path):
         Trainer(cfg, model, tokenizer, FirstDigitTask(tokenizer, 10, seed=0), ReferenceBackend(model, 0), tmp_path)
     with pytest.raises(ValueError, match="weights must be one of"):
         TrainConfig(weights="fp16")
+
+
+@pytest.mark.slow
+def test_compiled_policy_trains_like_the_eager_one(tmp_path):
+    cfg = dict(steps=1, inner_epochs=2, micro_batch_size=32, kl_beta=0.05, lr=3e-3)
+    runs = []
+    for compiled in (False, True):
+        trainer = _synthetic_trainer(tmp_path / str(compiled), compile_policy=compiled, **cfg)
+        runs.append((trainer.step(), trainer.model.state_dict()))
+    assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in trainer.model.model.layers)
+    for key in ("loss", "kl", "entropy", "grad_norm", "logp_diff_mean"):
+        assert runs[1][0][key] == pytest.approx(runs[0][0][key], rel=1e-4, abs=1e-7), key
+    for name, w in runs[0][1].items():  # same names (compiling in place keeps them), same values
+        torch.testing.assert_close(runs[1][1][name], w, atol=1e-5, rtol=1e-4, msg=name)

@@ -54,7 +54,7 @@ PROGRAMS_PER_SM = 8       # enough resident programs to hide the logits loads be
 
 @triton.jit
 def _mix31(x):
-    # minigrpo.sampling._mix31 on uint32 lanes holding [0, 2^31): (x * c) mod 2^31 only needs the low 31
+    # minigrpo.sampling.mix31 on uint32 lanes holding [0, 2^31): (x * c) mod 2^31 only needs the low 31
     # bits of the product, which uint32's defined wrap-around keeps exactly.
     x = x ^ (x >> 16)
     x = (x * tl.full([], 0x7FEB352D, tl.uint32)) & tl.full([], 0x7FFFFFFF, tl.uint32)

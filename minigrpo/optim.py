@@ -12,45 +12,79 @@ each. The rounding is then unbiased: on average a weight follows the fp32 trajec
 extra memory. Weights, gradients and both moments all stay in bf16: 8 bytes per parameter, against 16
 for fp32 master weights with fp32 moments.
 
-The random bits come from the generator passed to `step`. The trainer derives it from (seed, step), so a
-run is reproducible and a resumed run stays exact. The fp32 arithmetic runs over chunks of at most
-`chunk` elements, which keeps its temporaries small next to the model (the embedding alone is 136M
-elements).
+The random bits are a hash of (seed, element index), the sampler's counter-based noise (sampling.mix31),
+not a generator's stream: a step is a pure function of its seed, which the trainer derives from (seed,
+step), so runs are reproducible and resumes exact. It also lets the whole update of a chunk compile
+into one fused kernel (`compile=True`, on CUDA by default), instead of ~40 eager launches per chunk.
+The fp32 arithmetic runs over chunks of at most `chunk` elements, which keeps its temporaries small next
+to the model (the embedding alone is 136M elements).
+
+Shape legend: n elements of one chunk.
 """
 
 from __future__ import annotations
 
 import torch
 
+from minigrpo.sampling import M31, mix31
 
-def round_stochastic(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+
+def round_stochastic(x: torch.Tensor, seed: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """fp32 -> bf16, rounding to one of the two neighbouring bf16 values, unbiasedly.
 
     bf16 is the top 16 bits of fp32. Adding uniform noise in [0, 2^16) to the low 16 bits and then
     truncating them rounds the magnitude up with probability (low bits) / 2^16. The bit pattern is
-    sign-magnitude, so this works the same for negative numbers."""
-    assert x.dtype == torch.float32, x.dtype
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    sign-magnitude, so this works the same for negative numbers. The noise of element i is a hash of
+    (seed, offset + i): seed is an int64 tensor in [0, 2^31), offset + x.numel() <= 2^31."""
+    assert x.dtype == torch.float32 and x.is_contiguous(), (x.dtype, x.stride())
+    idx = torch.arange(offset, offset + x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
+    noise = (mix31(mix31(seed ^ idx)) & 0xFFFF).int()                               # (n,) in [0, 2^16)
     return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
+def _adamw_chunk(w, g, m, v, hyper, seeds, offset: int) -> None:
+    """One AdamW step of a chunk, in place. w, g, m, v (n,) bf16; hyper (6,) fp32 device tensor:
+    [lr / (1 - beta1^t), beta1, beta2, eps, 1 - lr * weight_decay, 1 - beta2^t]; seeds (3,) int64: the
+    rounding streams of w, m and v; offset: the chunk's first element index (for the noise)."""
+    step_size, b1, b2, eps, decay, bias2 = hyper.unbind()
+    g32 = g.float()
+    m32 = m.float() * b1 + g32 * (1 - b1)
+    v32 = v.float() * b2 + g32 * g32 * (1 - b2)
+    w32 = w.float() * decay - step_size * m32 / ((v32 / bias2).sqrt() + eps)
+    w.copy_(round_stochastic(w32, seeds[0], offset))
+    m.copy_(round_stochastic(m32, seeds[1], offset))
+    v.copy_(round_stochastic(v32, seeds[2], offset))
+
+
 class StochasticAdamW(torch.optim.Optimizer):
-    """Decoupled-weight-decay Adam (torch.optim.AdamW's math) for bf16 parameters, rounding stochastically."""
+    """Decoupled-weight-decay Adam (torch.optim.AdamW's math) for bf16 parameters, rounding stochastically.
+
+    compile: None = torch.compile the chunk update when the parameters are on CUDA (one compile, shapes
+    symbolic), eager elsewhere; the two compute the same thing."""
 
     def __init__(self, params, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, chunk: int = 1 << 22):
+                 weight_decay: float = 0.0, chunk: int = 1 << 22, compile: bool | None = None):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.chunk = chunk
+        devices = set()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.bfloat16:
                     raise ValueError(f"StochasticAdamW is for bf16 parameters, got {p.dtype} "
                                      f"(use torch.optim.AdamW for fp32 master weights)")
+                devices.add(p.device.type)
+        if compile is None:
+            compile = devices == {"cuda"}
+        self._update = torch.compile(_adamw_chunk, dynamic=True) if compile else _adamw_chunk
 
     @torch.no_grad()
-    def step(self, generator: torch.Generator | None = None) -> None:  # the random bits: see module doc
+    def step(self, seed: int) -> None:
+        """One step; seed (any int) picks the rounding noise (module doc)."""
+        streams = mix31(torch.tensor([seed & M31]) + torch.arange(3)) & M31              # (3,) w, m, v
+        offset = 0  # element index across all parameters: every element gets its own noise
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            consts = {}  # (device, t) -> (hyper, seeds) on that device: one small copy, not one per tensor
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -61,14 +95,11 @@ class StochasticAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
                 t = state["step"].item()  # a CPU tensor, as torch's AdamW keeps it: no device sync
-                step_size, bias2 = lr / (1 - b1 ** t), 1 - b2 ** t
+                if (p.device, t) not in consts:
+                    hyper = torch.tensor([lr / (1 - b1 ** t), b1, b2, eps, 1 - lr * wd, 1 - b2 ** t])
+                    consts[p.device, t] = (hyper.to(p.device), streams.to(p.device))
+                hyper, seeds = consts[p.device, t]
                 flat = (p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1))
-                for w, g, m, v in zip(*(x.split(self.chunk) for x in flat)):  # (chunk,) views into p, grad, m, v
-                    g32 = g.float()
-                    m32 = m.float().lerp_(g32, 1 - b1)
-                    v32 = v.float().mul_(b2).addcmul_(g32, g32, value=1 - b2)
-                    w32 = w.float().mul_(1 - lr * wd)
-                    w32.addcdiv_(m32, (v32 / bias2).sqrt_().add_(eps), value=-step_size)
-                    w.copy_(round_stochastic(w32, generator))
-                    m.copy_(round_stochastic(m32, generator))
-                    v.copy_(round_stochastic(v32, generator))
+                for w, g, m, v in zip(*(x.split(self.chunk) for x in flat)):  # (n,) views into p, grad, m, v
+                    self._update(w, g, m, v, hyper, seeds, offset % (1 << 30))
+                    offset += w.numel()

@@ -39,27 +39,27 @@ class SamplingParams:
 
 GREEDY = SamplingParams(temperature=0.0)
 
-_M31 = 0x7FFFFFFF
+M31 = 0x7FFFFFFF
 
 
-def _mix31(x: torch.Tensor) -> torch.Tensor:
+def mix31(x: torch.Tensor) -> torch.Tensor:
     """An integer hash on int64 tensors holding values in [0, 2^31) (lowbias32's shape, 31-bit constants).
 
     Every product stays below 2^62 and every literal fits in int32, so the arithmetic is exact and the
     same in eager PyTorch and in Inductor's C++ and Triton code, whatever index width Inductor picks
     (signed overflow would be undefined behaviour there, and Triton rejects wider literals in int32 math)."""
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M31
+    x = (x * 0x7FEB352D) & M31
     x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & _M31
+    x = (x * 0x5BD1E995) & M31
     return x ^ (x >> 16)
 
 
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform (0, 1) noise, a pure function of (seed, counter, vocab index). (B,), (B,) -> (B, V) fp32."""
     idx = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)          # (V,)
-    key = _mix31((_mix31(seeds.long() & _M31) + counters.long()) & _M31)             # (B,)
-    bits = _mix31(_mix31(key[:, None] ^ idx))                                         # (B, V)
+    key = mix31((mix31(seeds.long() & M31) + counters.long()) & M31)             # (B,)
+    bits = mix31(mix31(key[:, None] ^ idx))                                         # (B, V)
     # The top 24 of 31 random bits -> (0, 1), never exactly 0 or 1, so the Gumbel transform stays finite.
     return ((bits >> 7).float() + 0.5) * (1.0 / (1 << 24))
 

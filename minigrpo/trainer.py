@@ -341,7 +341,7 @@ class Trainer:
                 if torch.isfinite(norm):
                     if isinstance(self.optimizer, StochasticAdamW):
                         k = epoch * (N // M) + start // M
-                        self.optimizer.step(torch.Generator(self.device).manual_seed(rounding[k]))
+                        self.optimizer.step(rounding[k])
                     else:
                         self.optimizer.step()
                     norms.append(norm)

@@ -14,34 +14,36 @@ def _bf16_neighbours(x: torch.Tensor):
     return bits.view(torch.float32), (bits + 65536).view(torch.float32)
 
 
+SEED = torch.tensor(12345)
+
+
 def test_round_stochastic_is_unbiased_and_lands_on_a_neighbour():
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.randn(8, generator=g) * 10.0 ** torch.arange(-4, 4), torch.tensor([1e-30, -3e20])])
     lo, hi = _bf16_neighbours(x)
     frac = (x - lo) / (hi - lo)                                    # where x sits between them, in [0, 1)
-    r = round_stochastic(x.repeat(50_000, 1), g).float()           # (n, 10)
+    r = round_stochastic(x.repeat(50_000, 1), SEED).float()        # (n, 10): each element its own noise
     assert ((r == lo) | (r == hi)).all()
     p_hi = (r == hi).float().mean(0)
     assert torch.allclose(p_hi, frac, atol=0.01), (p_hi, frac)    # unbiased: P(further out) = frac
-    assert torch.equal(round_stochastic(lo.repeat(100, 1), g).float(), lo.repeat(100, 1))  # exact stays exact
+    assert torch.equal(round_stochastic(lo.repeat(100, 1), SEED).float(), lo.repeat(100, 1))  # exact stays exact
 
 
-def test_round_stochastic_uses_the_generator():
+def test_round_stochastic_noise_is_a_function_of_seed_and_index():
     x = torch.full((4096,), 1.0 + 2**-9)
-    a = round_stochastic(x, torch.Generator().manual_seed(1))
-    b = round_stochastic(x, torch.Generator().manual_seed(1))
-    c = round_stochastic(x, torch.Generator().manual_seed(2))
-    assert torch.equal(a, b) and not torch.equal(a, c)
+    a, b = round_stochastic(x, SEED), round_stochastic(x, SEED)
+    assert torch.equal(a, b) and not torch.equal(a, round_stochastic(x, SEED + 1))
+    # offset = index of the first element: a slice rounds exactly as it does inside the whole tensor
+    assert torch.equal(round_stochastic(x[1000:].contiguous(), SEED, offset=1000), a[1000:])
 
 
 def _run(opt_cls, w0, steps, lr, dtype, weight_decay=0.1, flip=True):
     w = torch.nn.Parameter(w0.clone().to(dtype))
     opt = opt_cls([w], lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
-    g = torch.Generator().manual_seed(0)
     for t in range(steps):
         phase = torch.arange(w.numel()).float() + (t if flip else 0)
         w.grad = (torch.sin(phase) * 1e-3).view_as(w).to(dtype)
-        opt.step(g) if opt_cls is StochasticAdamW else opt.step()
+        opt.step(t) if opt_cls is StochasticAdamW else opt.step()
     return w.detach().float()
 
 
@@ -86,7 +88,7 @@ def test_state_dict_round_trip_continues_exactly():
 
     def step(w, opt, t):
         w.grad = torch.full_like(w, 0.5 - t % 2)
-        opt.step(torch.Generator().manual_seed(t))
+        opt.step(t)
 
     a, opt_a = make()
     for t in range(3):
@@ -101,6 +103,20 @@ def test_state_dict_round_trip_continues_exactly():
     step(b, opt_b, 3)
     assert torch.equal(a, b)
     assert opt_b.state[b]["exp_avg"].dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_compiled_update_equals_the_eager_one():
+    w0 = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    out = []
+    for compile in (False, True):
+        w = torch.nn.Parameter(w0.clone().bfloat16())
+        opt = StochasticAdamW([w], lr=1e-3, weight_decay=0.1, chunk=300, compile=compile)
+        for t in range(3):
+            w.grad = torch.sin(torch.arange(1000.0) + t).bfloat16()
+            opt.step(t)
+        out.append((w.detach().clone(), opt.state[w]["exp_avg_sq"].clone()))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
 def test_rejects_fp32_parameters():

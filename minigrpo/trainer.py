@@ -163,11 +163,14 @@ class Trainer:
         if cfg.compile_policy:
             # Eager, a decoder layer is ~50 small kernels forward (norms, RoPE, SwiGLU, casts) and twice that
             # backward; the 0.5B model's micro-batches leave the GPU waiting on their launches. Compiled, the
-            # elementwise ops fuse. Parameters are graph inputs, so one compile (symbolic batch and length)
-            # serves every layer of both models; nn.Module.compile keeps the state-dict names.
+            # elementwise ops fuse. Parameters are graph inputs, so one compile serves every layer of both
+            # models; nn.Module.compile keeps the state-dict names. Automatic dynamic shapes, not
+            # dynamic=True: the first shapes compile static, and a dimension that changes recompiles once as
+            # symbolic. dynamic=True merges equal sizes at the first call ("duck sizing"): 64 rows and the
+            # head dim 64 became one symbol, fixing the row count, and each new count recompiled (seen on the H200).
             for m in (model, self.ref) if self.ref is not None else (model,):
                 for layer in m.model.layers:
-                    layer.compile(dynamic=True)
+                    layer.compile()
         if cfg.weights == "bf16":
             self.optimizer = StochasticAdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                              weight_decay=cfg.weight_decay)

@@ -111,9 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weights", choices=["fp32", "bf16"], default=D.weights,
                    help="fp32: fp32 master weights and AdamW state, bf16 autocast on CUDA (16 bytes/param); "
                         "bf16: bf16 weights and AdamW moments, updated with stochastic rounding (8 bytes/param)")
-    g.add_argument("--compile-policy", action=argparse.BooleanOptionalAction, default=D.compile_policy,
+    g.add_argument("--compile-policy", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the policy's decoder layers for the training and scoring forwards "
-                        "(fused elementwise ops, fewer kernel launches; one compile at the first step)")
+                        "(fused elementwise ops, fewer kernel launches; compiles during the first steps; "
+                        "default: on with CUDA)")
     g.add_argument("--logprob-chunk-size", type=int, default=D.logprob_chunk_size,
                    help="tokens per LM-head chunk when computing log-probs (memory: chunk x vocab x 4 bytes)")
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
@@ -155,7 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,
             seed=args.seed, logprob_chunk_size=args.logprob_chunk_size,
             activation_checkpointing=args.activation_checkpointing, weights=args.weights,
-            compile_policy=args.compile_policy)
+            compile_policy=(args.compile_policy if args.compile_policy is not None
+                            else torch.device(args.device).type == "cuda"))
     except ValueError as e:
         parser.error(str(e))
     if args.preset == "smoke" and args.model_dir is not None:

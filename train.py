@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(fused elementwise ops, fewer kernel launches; compiles during the first steps; "
                         "default: on with CUDA)")
     g.add_argument("--logprob-chunk-size", type=int, default=D.logprob_chunk_size,
-                   help="tokens per LM-head chunk when computing log-probs (memory: chunk x vocab x 4 bytes)")
+                   help="tokens per LM-head chunk when computing log-probs (memory: chunk x vocab x 4 bytes); "
+                        "0 = full logits, the naive way (to compare memory)")
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                    default=D.activation_checkpointing,
                    help="recompute each decoder layer in backward: far less activation memory, one more forward")

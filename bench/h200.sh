@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trl
+#   bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|trl
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
 set -u
@@ -39,11 +39,21 @@ case "${1:-}" in
       --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
     python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --attn triton:none --full-logits \
       -- --activation-checkpointing "${@:2}" ;;
+  trainvs)     # issue 5's acceptance set in one call (~7 min): the default (fp32 master weights, compiled
+               # policy), the memory-lean setting and its full-logits baseline, then TRL (needs .peers/, see trl)
+    [ -d /tmp/rand05b ] || python3 weights/download.py --random-init \
+      --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
+    T="python3 bench/train_step.py --model-dir /tmp/rand05b --data $DATA"
+    LEAN="--weights bf16 --activation-checkpointing --logprob-chunk-size 256"
+    OUT=$OUT/default $T --attn triton --steps 5 2>&1 | grep -E "^triton|Error"
+    OUT=$OUT/lean $T --attn triton --steps 6 -- $LEAN 2>&1 | grep -E "^triton|Error"
+    OUT=$OUT/lean_full $T --attn "" --full-logits --steps 2 -- $LEAN 2>&1 | grep -E "^triton|Error"
+    bash bench/h200.sh trl ;;
   trl)         # the peer: TRL GRPOTrainer on the same workload (../shared/peers/trl_baseline.py). Its wheels and
                # script must travel in .peers/ (git-ignored; carry it): cp ../shared/peers/{wheels/*.whl,*.py} .peers/
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl
     mkdir -p /tmp/peers && cp .peers/trl_baseline.py /tmp/peers/ && ln -sfn "$(realpath "$DATA")" /tmp/data
     PYTHONPATH=/tmp/site CACHE=${CACHE:-static} STEPS=${STEPS:-6} python3 /tmp/peers/trl_baseline.py 2>&1 | tail -3 ;;
-  *) echo "usage: bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trl [args]"
+  *) echo "usage: bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|trl [args]"
      exit 2 ;;
 esac

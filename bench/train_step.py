@@ -47,13 +47,15 @@ class StandInReward:
         return self.task.describe(i)
 
 
-def run(spec: str, args, chunk: int, out: Path) -> list[dict]:
+def run(spec: str, args, full_logits: bool, out: Path) -> list[dict]:
     attn, _, comp = spec.partition(":")
     flags = ["--model-dir", args.model_dir, "--train-data", f"{args.data}/gsm8k/train.jsonl", "--device", args.device,
              "--attn", attn, "-B", "8", "-G", "8", "--max-new-tokens", "256", "-K", "2", "--beta", "0.04",
              "--steps", str(args.steps), "--eval-every", "0", "--save-every", "0", "--sample-every", "0",
-             "--logprob-chunk-size", str(chunk), "--out", str(out)]
-    cli = train_cli.parse_args(flags + (["--compile", comp] if comp else []) + args.extra)
+             "--out", str(out)]
+    # the full-logits flag goes last: it overrides a --logprob-chunk-size among the extra flags
+    cli = train_cli.parse_args(flags + (["--compile", comp] if comp else []) + args.extra
+                               + (["--logprob-chunk-size", "0"] if full_logits else []))
     model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli)
     backend = train_cli.build_backend(cli, model, tokenizer, task, None)
     trainer = Trainer(cli.cfg, model, tokenizer, StandInReward(task), backend, out, tokenizer_dir=model_dir)
@@ -64,9 +66,11 @@ def run(spec: str, args, chunk: int, out: Path) -> list[dict]:
             prof_row = trainer.step()
         events = prof.key_averages()
         gpu_us = sum(e.self_device_time_total for e in events)
-        summary = (f"profiled step: {prof_row['time_step']:.3f} s wall (phases {', '.join(f'{k[5:]} {v:.3f}' for k, v in prof_row.items() if k.startswith('time_') and k != 'time_step')}); "
-                   f"GPU kernels busy {gpu_us / 1e6:.3f} s; kernel launches "
-                   f"{sum(e.count for e in events if e.key in ('cudaLaunchKernel', 'cuLaunchKernel', 'cudaLaunchKernelExC'))}\n")
+        phases = ", ".join(f"{k[5:]} {v:.3f}" for k, v in prof_row.items() if k.startswith("time_") and k != "time_step")
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        summary = (f"profiled step: {prof_row['time_step']:.3f} s wall ({phases}); "
+                   f"GPU kernels busy {gpu_us / 1e6:.3f} s; {launches} kernel launches\n")
+        out.mkdir(parents=True, exist_ok=True)
         (out / "profile.txt").write_text(summary + events.table(sort_by="self_cuda_time_total", row_limit=30))
         print(summary, flush=True)
     del trainer, backend, model
@@ -84,7 +88,8 @@ def main():
     p.add_argument("--full-logits-attn", default="triton:none", help="the backend of the --full-logits run")
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=2, help="steps per backend; the last one is reported")
-    p.add_argument("--full-logits", action="store_true", help="also one run with unchunked log-probs")
+    p.add_argument("--full-logits", action="store_true",
+                   help="also one run with full logits (--logprob-chunk-size 0: the naive log_softmax)")
     p.add_argument("--profile", action="store_true", help="profile one extra step (profile.txt in each run's folder)")
     p.add_argument("extra", nargs="*", help="more train.py flags (after --)")
     args = p.parse_args()
@@ -94,10 +99,10 @@ def main():
             "rollout_tokens_per_s", "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb",
             "trained_rows", "loss", "kl", "clip_frac", "grad_norm", "logp_diff_mean", "logp_diff_max")
     result = {}
-    runs = [(a, 1024) for a in args.attn.split(",") if a] + ([(args.full_logits_attn, 1 << 30)] if args.full_logits else [])
-    for attn, chunk in runs:
-        name = (f"{attn}_full_logits" if chunk != 1024 else attn).replace(":", "_compile_")
-        rows = run(attn, args, chunk, out / f"train_{name}")
+    runs = [(a, False) for a in args.attn.split(",") if a] + ([(args.full_logits_attn, True)] if args.full_logits else [])
+    for attn, full in runs:
+        name = (f"{attn}_full_logits" if full else attn).replace(":", "_compile_")
+        rows = run(attn, args, full, out / f"train_{name}")
         last = rows[-1]
         row = {k: last[k] for k in keys if k in last}
         row["rollout_share"] = last["time_rollout"] / last["time_step"]

@@ -123,6 +123,8 @@ def token_logprobs(
     distribution when return_entropy (a metric: it carries no gradient). fp64 inputs give fp64 outputs.
     Differentiable w.r.t. hidden and lm_head_weight; values and gradients equal the naive
     log_softmax computation up to fp32 rounding. Peak extra memory ~ chunk_size * V * 4 bytes x 2.
+    chunk_size 0 is that naive computation itself (full fp32 logits through autograd): the baseline
+    that benchmarks compare the memory against.
     Targets are not range-checked (that needs a host sync); out-of-range ids fail inside gather.
     """
     if hidden.ndim != 3:
@@ -137,10 +139,16 @@ def token_logprobs(
             f"hidden ({hidden.dtype}, {hidden.device}) and lm_head_weight "
             f"({lm_head_weight.dtype}, {lm_head_weight.device}) must share dtype and device"
         )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if chunk_size < 0:
+        raise ValueError(f"chunk_size must be >= 1 (or 0: full logits), got {chunk_size}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size == 0:
+        logp_all = torch.log_softmax((hidden @ lm_head_weight.T).to(_acc_dtype(hidden.dtype)) / temperature, -1)
+        logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)                       # (N, T)
+        if return_entropy:
+            return logp, -(logp_all.exp() * logp_all).sum(-1).detach()
+        return logp
     out = _ChunkedLogProb.apply(
         hidden.reshape(N * T, D), lm_head_weight, targets.reshape(N * T), float(temperature), chunk_size, return_entropy
     )

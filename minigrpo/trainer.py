@@ -87,7 +87,7 @@ class TrainConfig:
     sample_every: int = 10            # write a few decoded completions to samples.jsonl; 0 = never
     num_samples: int = 4
     seed: int = 0
-    logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: chunk x vocab x 4 bytes)
+    logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: chunk x vocab x 4 bytes); 0 = full logits
     activation_checkpointing: bool = False  # recompute layers in backward: far fewer activations, +1 forward
     weights: str = "fp32"             # fp32 master weights (+ bf16 autocast on CUDA), or bf16 (optim.py)
     compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference
@@ -95,12 +95,12 @@ class TrainConfig:
     def __post_init__(self):
         self.betas = tuple(self.betas)
         positive = ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "inner_epochs",
-                    "micro_batch_size", "score_batch_size", "steps", "eval_batch_size", "logprob_chunk_size")
+                    "micro_batch_size", "score_batch_size", "steps", "eval_batch_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("minibatch_size", "warmup_steps", "eval_every", "save_every", "keep_checkpoints",
-                     "sample_every", "num_samples"):
+        for name in ("minibatch_size", "logprob_chunk_size", "warmup_steps", "eval_every", "save_every",
+                     "keep_checkpoints", "sample_every", "num_samples"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         rows = self.prompts_per_step * self.samples_per_prompt

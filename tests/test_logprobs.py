@@ -33,8 +33,8 @@ def _values_and_grads(fn, hidden, weight, targets, upstream):
     return logp.detach(), h.grad, w.grad
 
 
-# N*T = 15 tokens: 1 and 4 and 7 do not divide 15, 15 is exact, 1024 is a single chunk
-@pytest.mark.parametrize("chunk_size", [1, 4, 7, 15, 1024])
+# N*T = 15 tokens: 1 and 4 and 7 do not divide 15, 15 is exact, 1024 is a single chunk, 0 full logits
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 15, 1024, 0])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_matches_naive_values_and_grads(chunk_size, temperature):
     hidden, weight, targets = _inputs(seed=chunk_size)
@@ -106,7 +106,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="share dtype"):
         token_logprobs(hidden.double(), weight, targets)
     with pytest.raises(ValueError, match="chunk_size"):
-        token_logprobs(hidden, weight, targets, chunk_size=0)
+        token_logprobs(hidden, weight, targets, chunk_size=-1)
 
 
 class _LargestAlloc(TorchDispatchMode):

@@ -28,7 +28,8 @@ import torch
 
 from minigrpo import distributed
 from minigrpo.rollout import ATTN_BACKENDS, make_backend
-from minigrpo.trainer import WEIGHT_DTYPES, Trainer, TrainConfig
+from minigrpo.train_config import WEIGHT_DTYPES, TrainConfig
+from minigrpo.trainer import Trainer
 
 # --preset sets these defaults; any flag given on the command line still wins.
 PRESETS = {

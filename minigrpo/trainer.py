@@ -33,8 +33,7 @@ n kept rows (of this rank), C completion length.
 from __future__ import annotations
 
 import copy
-import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
@@ -49,92 +48,10 @@ from minigrpo.metrics import MetricsLogger, PhaseTimer
 from minigrpo.optim import StochasticAdamW
 from minigrpo.sampling import SamplingParams
 from minigrpo.sequences import SequenceBatch, completion_logprobs, pad_rows
+from minigrpo.train_config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
 from minigrpo.train_state import load_checkpoint, save_checkpoint
 
 _ROLLOUT, _SHUFFLE, _ROUND = 0x5A3D, 0x5AFF, 0x5A40  # stream tags for (seed, tag, step, ...) derivation
-
-WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # TrainConfig.weights -> the policy's dtype
-
-
-@dataclass
-class TrainConfig:
-    prompts_per_step: int = 32        # B
-    samples_per_prompt: int = 8       # G
-    max_new_tokens: int = 512         # L: generation budget, and the Dr. GRPO loss normaliser
-    inner_epochs: int = 1             # K: passes over each rollout batch (1 = on-policy)
-    minibatch_size: int = 0           # rows per optimizer step; 0 = all B*G rows (one step per epoch)
-    micro_batch_size: int = 16        # rows per forward/backward (gradient accumulation: memory only)
-    score_batch_size: int = 64        # rows per no-grad scoring forward (old / reference log-probs)
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0        # 0 = no clipping (the norm is logged either way)
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"     # after warmup: "constant" or "cosine" (to min_lr_ratio * lr)
-    min_lr_ratio: float = 0.0
-    eps: float = 0.2                  # clip range [1 - eps, 1 + eps_high]
-    eps_high: float | None = None     # None = eps (symmetric); DAPO's clip-higher uses e.g. 0.28
-    kl_beta: float = 0.0              # Dr. GRPO drops the KL term: 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    steps: int = 200
-    eval_every: int = 25              # 0 = never (also skips the evaluation before training)
-    eval_limit: int | None = None     # evaluate on the first N eval examples; None = all
-    eval_batch_size: int = 128
-    eval_max_new_tokens: int | None = None  # None = max_new_tokens
-    save_every: int = 50              # 0 = only at the end
-    keep_checkpoints: int = 2         # 0 = keep all
-    sample_every: int = 10            # write a few decoded completions to samples.jsonl; 0 = never
-    num_samples: int = 4
-    seed: int = 0
-    logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: chunk x vocab x 4 bytes); 0 = full logits
-    activation_checkpointing: bool = False  # recompute layers in backward: far fewer activations, +1 forward
-    weights: str = "fp32"             # fp32 master weights (+ bf16 autocast on CUDA), or bf16 (optim.py)
-    compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference
-
-    def __post_init__(self):
-        self.betas = tuple(self.betas)
-        positive = ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "inner_epochs",
-                    "micro_batch_size", "score_batch_size", "steps", "eval_batch_size")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("minibatch_size", "logprob_chunk_size", "warmup_steps", "eval_every", "save_every",
-                     "keep_checkpoints", "sample_every", "num_samples"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        rows = self.prompts_per_step * self.samples_per_prompt
-        if self.minibatch_size and rows % self.minibatch_size:
-            raise ValueError(f"minibatch_size {self.minibatch_size} must divide the B*G = {rows} rows of a step")
-        if self.samples_per_prompt < 2:
-            raise ValueError("samples_per_prompt must be >= 2: a group of one always has zero advantage")
-        if self.weights not in WEIGHT_DTYPES:
-            raise ValueError(f"weights must be one of {sorted(WEIGHT_DTYPES)}, got {self.weights!r}")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
-        if not 0.0 < self.temperature:
-            raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature}")
-        SamplingParams(temperature=self.temperature, top_p=self.top_p)  # validates top_p
-        if not 0.0 < self.eps < 1.0 or (self.eps_high is not None and self.eps_high <= 0):
-            raise ValueError(f"need 0 < eps < 1 and eps_high > 0, got eps={self.eps}, eps_high={self.eps_high}")
-        if self.kl_beta < 0 or self.weight_decay < 0 or self.max_grad_norm < 0 or self.lr <= 0:
-            raise ValueError("lr must be > 0 and kl_beta, weight_decay, max_grad_norm >= 0")
-
-
-# Settings that may change when resuming: they do not alter the training trajectory.
-RESUMABLE_CHANGES = {"steps", "eval_every", "eval_limit", "eval_batch_size", "eval_max_new_tokens",
-                     "save_every", "keep_checkpoints", "sample_every", "num_samples"}
-
-
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """LR multiplier for the step-th update (0-based): linear warmup, then constant or cosine decay."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
 
 def derive_seeds(seed: int, tag: int, step: int, n: int) -> list[int]:
     """n distinct-in-practice int64 seeds, a pure function of (seed, tag, step)."""

@@ -16,7 +16,8 @@ from minigrpo.rollout import ReferenceBackend
 from minigrpo.sampling import SamplingParams
 from minigrpo.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
-from minigrpo.trainer import WEIGHT_DTYPES, Trainer, TrainConfig, lr_factor
+from minigrpo.train_config import WEIGHT_DTYPES, TrainConfig, lr_factor
+from minigrpo.trainer import Trainer
 
 STOP, PAD = 31, 0
 

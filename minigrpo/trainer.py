@@ -160,16 +160,17 @@ class Trainer:
                                                      all_keep)
             m.update(update)
             timer.lap("update")
+            if dev.type == "cuda":
+                update_peak = torch.cuda.max_memory_allocated(dev)
+                m.update(peak_mem_update_gb=update_peak / 2**30, update_working_mem_gb=(update_peak - resident) / 2**30,
+                         peak_mem_before_update_gb=peak_before / 2**30)
+            # the policy before the update vs the sampler: the rollout-vs-training mismatch monitor
             sampled = pad_rows([rollout.logprobs[r] for r in rows], batch.C, dev)        # (n, C)
             mask = batch.mask * bool(kept)
             diff = (sampled - old_logp).abs() * mask
             ent_sum, diff_sum, tokens = dist.sum(torch.stack([(entropy * mask).sum(), diff.sum(), mask.sum()]))
             m.update(entropy=(ent_sum / tokens).item(), logp_diff_mean=(diff_sum / tokens).item(),
                      logp_diff_max=dist.max(diff.max()).item())
-            if dev.type == "cuda":
-                update_peak = torch.cuda.max_memory_allocated(dev)
-                m.update(peak_mem_update_gb=update_peak / 2**30, update_working_mem_gb=(update_peak - resident) / 2**30,
-                         peak_mem_before_update_gb=peak_before / 2**30)
             self.backend.load_weights(self.model)
             timer.lap("sync")
         else:

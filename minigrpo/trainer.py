@@ -53,6 +53,7 @@ from minigrpo.train_state import load_checkpoint, save_checkpoint
 
 _ROLLOUT, _SHUFFLE, _ROUND = 0x5A3D, 0x5AFF, 0x5A40  # stream tags for (seed, tag, step, ...) derivation
 
+
 def derive_seeds(seed: int, tag: int, step: int, n: int) -> list[int]:
     """n distinct-in-practice int64 seeds, a pure function of (seed, tag, step)."""
     state = np.random.SeedSequence([seed, tag, step]).generate_state(n, dtype=np.uint64)

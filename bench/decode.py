@@ -121,8 +121,13 @@ def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
     limit.fill_(1 << 30)
     ctr.zero_()
     step, _ = engine.runner.units(B, SAMPLING)  # the step exactly as this engine config runs it
-    full = time_graph(step)
-    pos.fill_(ctx)
+
+    def rewind():  # each timed sample starts at context ctx: replays advance positions and counters
+        pos.fill_(ctx)
+        ctr.zero_()
+
+    full = time_graph(step, before=rewind)
+    rewind()
     chain = gemm_chain(engine, B, compiled=True)
     matmul_ms = time_graph(lambda: chain(False))
     lm_head_ms = time_graph(chain) - matmul_ms
@@ -134,7 +139,7 @@ def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
     logits = torch.randn(B, m.cfg.vocab_size, device="cuda", dtype=m.embed.dtype)
     adv = torch.compile(advance, fullgraph=True) if engine.cfg.compile == "step" else advance
     sample_ms = time_graph(lambda: adv(logits, SAMPLING, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp,
-                                       engine.cfg.sampler))
+                                       engine.cfg.sampler), before=rewind)
     st.done.fill_(True)
     rest = full - matmul_ms - lm_head_ms - attn_ms - sample_ms
     parts = dict(matmuls=matmul_ms, attention=attn_ms, norms_rope_kvstore_rest=rest, lm_head=lm_head_ms,

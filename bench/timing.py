@@ -9,14 +9,18 @@ import torch
 from minigrpo.engine import capture_graph
 
 
-def time_graph(fn, reps: int = 50, inner: int = 8) -> float:
+def time_graph(fn, reps: int = 50, inner: int = 8, before=None) -> float:
     """Median ms of one call of fn, captured in a CUDA graph and replayed `inner` times back to back per
     timed sample: the way the engine's decode loop runs its steps (sync_every = 8), so neither the host's
     launch overhead nor the GPU's ramp after an idle sync counts. One replay per sample measured the
-    whole decode step at 1.761 ms, where the loop's own timing gave 1.635 (H200, 256 sequences)."""
+    whole decode step at 1.761 ms, where the loop's own timing gave 1.635 (H200, 256 sequences).
+    before: called ahead of each sample, untimed, to reset state that the replays advance (positions,
+    counters), so that no sample runs past the buffers it was set up for."""
     g = capture_graph(fn, warmup=3)
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(inner):

@@ -39,8 +39,9 @@ case "${1:-}" in
       --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
     python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --attn triton:none --full-logits \
       -- --activation-checkpointing "${@:2}" ;;
-  trainvs)     # issue 5's acceptance set in one call (~7 min): the default (fp32 master weights, compiled
-               # policy), the memory-lean setting and its full-logits baseline, then TRL (needs .peers/, see trl)
+  trainvs)     # issue 5's acceptance set in one call (~9 min): the default (fp32 master weights, compiled
+               # policy), the memory-lean setting, its full-logits baseline, the lean setting with 32-row
+               # micro-batches (fewer launches, more memory), then TRL (needs .peers/, see trl)
     [ -d /tmp/rand05b ] || python3 weights/download.py --random-init \
       --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
     T="python3 bench/train_step.py --model-dir /tmp/rand05b --data $DATA"
@@ -48,6 +49,7 @@ case "${1:-}" in
     OUT=$OUT/default $T --attn triton --steps 5 2>&1 | grep -E "^triton|Error"
     OUT=$OUT/lean $T --attn triton --steps 6 -- $LEAN 2>&1 | grep -E "^triton|Error"
     OUT=$OUT/lean_full $T --attn "" --full-logits --steps 2 -- $LEAN 2>&1 | grep -E "^triton|Error"
+    OUT=$OUT/lean_mb32 $T --attn triton --steps 6 -- $LEAN --micro-batch-size 32 2>&1 | grep -E "^triton|Error"
     bash bench/h200.sh trl ;;
   trl)         # the peer: TRL GRPOTrainer on the same workload (../shared/peers/trl_baseline.py). Its wheels and
                # script must travel in .peers/ (git-ignored; carry it): cp ../shared/peers/{wheels/*.whl,*.py} .peers/

@@ -52,6 +52,7 @@ from minigrpo.train_config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig,
 from minigrpo.train_state import load_checkpoint, save_checkpoint
 
 _ROLLOUT, _SHUFFLE, _ROUND = 0x5A3D, 0x5AFF, 0x5A40  # stream tags for (seed, tag, step, ...) derivation
+SEQ_BUCKET = 64  # a compiled policy's batches are padded to a multiple of this many columns (Trainer._select)
 
 
 def derive_seeds(seed: int, tag: int, step: int, n: int) -> list[int]:
@@ -82,13 +83,13 @@ class Trainer:
             # Eager, a decoder layer is ~50 small kernels forward (norms, RoPE, SwiGLU, casts) and twice that
             # backward; the 0.5B model's micro-batches leave the GPU waiting on their launches. Compiled, the
             # elementwise ops fuse. Parameters are graph inputs, so one compile serves every layer of both
-            # models; nn.Module.compile keeps the state-dict names. Automatic dynamic shapes, not
-            # dynamic=True: the first shapes compile static, and a dimension that changes recompiles once as
-            # symbolic. dynamic=True merges equal sizes at the first call ("duck sizing"): 64 rows and the
-            # head dim 64 became one symbol, fixing the row count, and each new count recompiled (seen on the H200).
+            # models; nn.Module.compile keeps the state-dict names. Static shapes: the trainer pads its
+            # batches to fixed row counts and length buckets (_select), so a layer compiles once per bucket and
+            # grad mode. Ragged shapes recompiled mid-run instead, 8-12 s a time, with automatic dynamic shapes
+            # as well as with dynamic=True (seen on the H200); `compiled_graphs` in the metrics shows any.
             for m in (model, self.ref) if self.ref is not None else (model,):
                 for layer in m.model.layers:
-                    layer.compile()
+                    layer.compile(dynamic=False)
         if cfg.weights == "bf16":
             self.optimizer = StochasticAdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                              weight_decay=cfg.weight_decay)
@@ -182,6 +183,8 @@ class Trainer:
                  tokens_per_s=sum(lens) / max(timer.total, 1e-9),
                  peak_mem_gb=max(torch.cuda.max_memory_allocated(dev) / 2**30,
                                  m.get("peak_mem_before_update_gb", 0.0)) if dev.type == "cuda" else 0.0)
+        if cfg.compile_policy:  # the process's torch.compile graphs so far: a step where this grows compiled
+            m["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         return m
 
     @torch.no_grad()
@@ -192,13 +195,22 @@ class Trainer:
         entropy = torch.zeros((n, C), dtype=torch.float32, device=self.device) if return_entropy else None
         for s in range(0, n, self.cfg.score_batch_size):
             rows = list(range(s, min(s + self.cfg.score_batch_size, n)))
-            mb = batch.select(rows)
+            mb = self._select(batch, rows, self.cfg.score_batch_size)
             out = self._logprobs(model, mb, return_entropy)
             lp, ent = out if return_entropy else (out, None)
-            logp[s:s + len(rows), :mb.C] = lp
+            logp[s:s + len(rows), :mb.C] = lp[:len(rows)]                # padding rows dropped
             if return_entropy:
-                entropy[s:s + len(rows), :mb.C] = ent
+                entropy[s:s + len(rows), :mb.C] = ent[:len(rows)]
         return logp, entropy
+
+    def _select(self, batch: SequenceBatch, rows: list[int], size: int) -> SequenceBatch:
+        """batch.select(rows); for a compiled policy padded to `size` rows and T to a multiple of SEQ_BUCKET.
+
+        Static shapes, so each decoder layer compiles once per length bucket and grad mode, and never again
+        (see __init__). Costs the padding's compute: up to SEQ_BUCKET - 1 columns, and a short last micro-batch."""
+        if not self.cfg.compile_policy:
+            return batch.select(rows)
+        return batch.select(rows, n_rows=size, col_multiple=SEQ_BUCKET)
 
     def _logprobs(self, model, batch: SequenceBatch, return_entropy: bool = False):
         return completion_logprobs(model, batch, temperature=self.cfg.temperature,
@@ -239,12 +251,13 @@ class Trainer:
                 micro = [rows[u:u + cfg.micro_batch_size] for u in range(0, len(rows), cfg.micro_batch_size)]
                 self.optimizer.zero_grad(set_to_none=True)
                 for u, sub in enumerate(micro or [[0]]):  # [[0]]: the zero-weight stand-in (docstring)
-                    mb = batch.select(sub)
-                    idx = torch.tensor(sub, device=self.device)
+                    mb = self._select(batch, sub, cfg.micro_batch_size)
+                    k = len(sub)                                       # real rows; any after them are padding
+                    idx = torch.tensor(sub + sub[:1] * (len(mb.prompt_lens) - k), device=self.device)  # (m,)
                     with self.policy.accumulate(last=u == max(len(micro), 1) - 1):  # all-reduce on the last
                         if fill and epoch == 0:
                             logp, ent = self.policy(mb, True)                            # (m, C') each
-                            old_logp[idx, :mb.C], entropy[idx, :mb.C] = logp.detach(), ent
+                            old_logp[idx[:k], :mb.C], entropy[idx[:k], :mb.C] = logp[:k].detach(), ent[:k]
                         else:
                             logp = self.policy(mb)                                       # (m, C')
                         loss, stats = dr_grpo_loss(

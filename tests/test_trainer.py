@@ -100,6 +100,13 @@ def test_sequence_batch_layout_hand_made():
     assert sub.ids.tolist() == [[1, 2, 4, STOP]] and sub.C == 2 and sub.mask.tolist() == [[1, 1]]
     sub = batch.select([1])
     assert sub.ids.tolist() == [[3, 5, 6, 7]] and sub.score_index.tolist() == [[0, 1, 2]]
+    # padded to static shapes (a compiled policy): 3 rows, T a multiple of 3; the empty row has mask 0
+    sub = batch.select([1], n_rows=3, col_multiple=3)
+    assert sub.ids.tolist() == [[3, 5, 6, 7, 0, 0], [0] * 6, [0] * 6]
+    assert sub.mask.tolist() == [[1, 1, 1], [0, 0, 0], [0, 0, 0]] and sub.prompt_lens == [1, 1, 1]
+    assert sub.score_index.tolist()[0] == [0, 1, 2]
+    with pytest.raises(ValueError, match="cannot pad 2 rows down to 1"):
+        batch.select([0, 1], n_rows=1)
 
 
 def test_sequence_batch_scores_the_next_token():

@@ -97,7 +97,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     keys = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_sync", "time_step",
             "rollout_tokens_per_s", "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb",
-            "trained_rows", "loss", "kl", "clip_frac", "grad_norm", "logp_diff_mean", "logp_diff_max")
+            "trained_rows", "loss", "kl", "clip_frac", "grad_norm", "logp_diff_mean", "logp_diff_max",
+            "compiled_graphs")
     result = {}
     runs = [(a, False) for a in args.attn.split(",") if a] + ([(args.full_logits_attn, True)] if args.full_logits else [])
     for attn, full in runs:
@@ -106,7 +107,8 @@ def main():
         last = rows[-1]
         row = {k: last[k] for k in keys if k in last}
         row["rollout_share"] = last["time_rollout"] / last["time_step"]
-        row["every_step"] = [{k: round(r[k], 3) for k in keys if k.startswith("time")} for r in rows]
+        row["every_step"] = [{k: round(r[k], 3) for k in keys if k in r and (k.startswith("time") or k == "compiled_graphs")}
+                            for r in rows]
         result[name] = row
         print(name, json.dumps(row), flush=True)
         (out / "train_step.json").write_text(json.dumps(result, indent=1))  # after each run: partial results survive

@@ -139,9 +139,9 @@ SAMPLERS = ("torch", "triton")
 
 def sample_tokens(logits, params: SamplingParams, seed, ctr, sampler: str):
     """The reference sampler, or for plain temperature sampling optionally the fused Triton kernel (the
-    same counter-based noise, one pass over the logits). -> tokens (B,), log-probs (B,)."""
+    same draw, one reduction pass over the logits). -> tokens (B,), log-probs (B,)."""
     if sampler == "triton" and not params.greedy and params.top_k == 0 and params.top_p == 1.0:
-        return torch.ops.minigrpo.gumbel_sample(logits, seed, ctr, params.temperature)
+        return torch.ops.minigrpo.fused_sample(logits, seed, ctr, params.temperature)
     return sample(logits, params, seed, ctr)
 
 

@@ -1,14 +1,27 @@
 """Token sampling on the device: greedy, temperature, top-k, top-p, with no host synchronisation.
 
 Randomness is counter-based: the noise for a sequence's n-th token is a hash of (that sequence's seed, n,
-vocabulary index). So a sequence's samples do not depend on which other sequences share its batch, where
-it sits in the batch, or whether the engine compacted the batch since the last step: a rollout is
-reproducible from its seeds alone. The hash is plain integer tensor arithmetic, so it runs inside
+an index). So a sequence's samples do not depend on which other sequences share its batch, where it sits
+in the batch, or whether the engine compacted the batch since the last step: a rollout is reproducible
+from its seeds alone. The hash is plain integer tensor arithmetic, so it runs inside
 torch.compile(fullgraph=True) and CUDA graphs, where a `torch.Generator` per sequence could not.
 
-Sampling uses the Gumbel-max trick: argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T).
+A draw from softmax(x), x = logits / T, takes two levels:
+  1. A chunk. The vocabulary is cut into chunks of SAMPLE_CHUNK consecutive indices (the last one partial),
+     and a chunk is drawn by inverse CDF over the chunks' softmax masses w_c, with one uniform per row:
+     the noise at index M31, which no vocabulary index reaches.
+  2. A token in that chunk, by the Gumbel-max trick: argmax_i of x_i + Gumbel noise, with the noise at
+     the token's vocabulary index, is a draw from softmax restricted to the chunk.
+P(i) = P(chunk) * P(i | chunk) = (w_c / sum w) * (p_i / w_c) = p_i: exact. Why two levels: Gumbel-max over
+the whole vocabulary costs a hash and two logs per token, which made the fused kernel (kernels/sample.py)
+bound by arithmetic; with two levels, its pass over every logit is a plain max / sum-of-exp reduction,
+bound by memory, and the hash and logs run on one chunk per row. Precision: the chunk level resolves
+masses down to about 2^-23 of the total (the uniform has 23 bits, the masses are fp32); within a chunk,
+Gumbel's log-space comparisons keep even tiny probabilities exact relative to their chunk's mass.
+The chunk size is a constant, not tuned to the batch or the GPU, so that a sequence's draw stays a
+function of its seeds alone.
 
-Shape legend: B sequences, V vocabulary.
+Shape legend: B sequences, V vocabulary, NC = ceil(V / SAMPLE_CHUNK) chunks, C = SAMPLE_CHUNK.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -39,7 +53,8 @@ class SamplingParams:
 
 GREEDY = SamplingParams(temperature=0.0)
 
-M31 = 0x7FFFFFFF
+M31 = 0x7FFFFFFF         # 2^31 - 1: the hash's mask, and the index of the chunk draw's uniform
+SAMPLE_CHUNK = 4096      # indices per chunk of the two-level draw; a power of two, a Triton block
 
 
 def mix31(x: torch.Tensor) -> torch.Tensor:
@@ -55,13 +70,14 @@ def mix31(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform (0, 1) noise, a pure function of (seed, counter, vocab index). (B,), (B,) -> (B, V) fp32."""
-    idx = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)          # (V,)
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Uniform (0, 1) noise, a pure function of (seed, counter, index), at int64 indices in [0, 2^31).
+    seeds, counters (B,); idx (B, N) or (N,) -> (B, N) fp32."""
     key = mix31((mix31(seeds.long() & M31) + counters.long()) & M31)             # (B,)
-    bits = mix31(mix31(key[:, None] ^ idx))                                         # (B, V)
-    # The top 24 of 31 random bits -> (0, 1), never exactly 0 or 1, so the Gumbel transform stays finite.
-    return ((bits >> 7).float() + 0.5) * (1.0 / (1 << 24))
+    bits = mix31(mix31(key[:, None] ^ idx))                                         # (B, N)
+    # The top 23 of 31 random bits k -> (k + 0.5) / 2^23, exact in fp32 and never 0 or 1, so the Gumbel
+    # transform stays finite. (With 24 bits the largest value rounds to 1: Gumbel noise +inf, a sure win.)
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -87,8 +103,21 @@ def sample(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor, co
     if params.greedy:
         logp = logits.float().log_softmax(-1)                                         # (B, V)
         tokens = logp.argmax(-1)                                                      # (B,)
-    else:
-        logp = filter_logits(logits, params).log_softmax(-1)                          # (B, V)
-        gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, logits.shape[-1])))
-        tokens = (logp + gumbel).argmax(-1)                                           # (B,)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    x = filter_logits(logits, params)                                                 # (B, V)
+    B, V = x.shape
+    NC = -(-V // SAMPLE_CHUNK)
+    chunks = F.pad(x, (0, NC * SAMPLE_CHUNK - V), value=float("-inf")).view(B, NC, SAMPLE_CHUNK)  # (B, NC, C)
+    # Level 1: the chunk, by inverse CDF over the chunks' masses (a chunk of only -inf has mass 0).
+    mass = chunks.logsumexp(-1).softmax(-1)                                           # (B, NC)
+    cum = mass.cumsum(-1)                                                             # (B, NC)
+    u = uniform_noise(seeds, counters, torch.full((1,), M31, device=x.device))        # (B, 1)
+    # The first chunk whose cum exceeds u * total. u <= 1 - 2^-24 keeps u * total below the total in fp32,
+    # so there always is one, and it has mass; the clamp only keeps a row of NaN logits in range.
+    c = torch.searchsorted(cum, u * cum[:, -1:], right=True).clamp(max=NC - 1).squeeze(1)   # (B,)
+    # Level 2: Gumbel-max within the chosen chunk, with the noise at each entry's vocabulary index.
+    idx = c[:, None] * SAMPLE_CHUNK + torch.arange(SAMPLE_CHUNK, device=x.device)     # (B, C)
+    gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, idx)))              # (B, C)
+    scores = chunks[torch.arange(B, device=x.device), c] + gumbel                     # (B, C)
+    tokens = c * SAMPLE_CHUNK + scores.argmax(-1)                                     # (B,)
+    return tokens, x.gather(-1, tokens[:, None]).squeeze(-1) - x.logsumexp(-1)

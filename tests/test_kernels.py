@@ -19,6 +19,7 @@ import contextlib  # noqa: E402
 import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -79,10 +80,18 @@ GEOMETRIES = {  # lengths (0 = padded slot), page size, q heads, kv heads, head 
 }
 
 
+@pytest.fixture(params=[False, True], ids=["plain", "prefetch"])
+def prefetch(request, monkeypatch):
+    """Runs the test once per inner-loop variant, whichever is the default: the op takes default_config's."""
+    default_config = kda.default_config
+    monkeypatch.setattr(kda, "default_config", lambda *a: replace(default_config(*a), prefetch=request.param))
+    return request.param
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 0], ids=["unsplit", "split3", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
-def test_decode_matches_eager(geometry, dtype, num_splits):
+def test_decode_matches_eager(geometry, dtype, num_splits, prefetch):
     lens, S, Hq, Hkv, D = geometry
     k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, S, Hkv, D, dtype=dtype, seed=len(lens), device=DEVICE)
     q = torch.randn(len(lens), Hq, D, generator=torch.Generator().manual_seed(S)).to(DEVICE, dtype)
@@ -97,7 +106,7 @@ def test_decode_matches_eager(geometry, dtype, num_splits):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_decode_sequence_filling_its_whole_table(num_splits):
+def test_decode_sequence_filling_its_whole_table(num_splits, prefetch):
     lens, S = [48, 33], 16
     k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, S, 2, 64, seed=7, device=DEVICE)
     bt = bt[:, :math.ceil(max(lens) / S)].contiguous()                  # the 48-token sequence uses every column
@@ -105,6 +114,22 @@ def test_decode_sequence_filling_its_whole_table(num_splits):
     ref = decode_attention("eager", q, k_pool, v_pool, bt, sl, 0.125)
     torch.testing.assert_close(triton_decode(q, k_pool, v_pool, bt, sl, 0.125, num_splits), ref,
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_n, page_size", [(16, 64), (128, 16)])
+def test_decode_other_block_sizes(block_n, page_size, prefetch):
+    # The sweep's other tiles: 16 tokens take several steps per page, 128 span 8 pages per step. Two splits
+    # give each sequence multi-step, partial-last-block and single-block splits.
+    lens = [0, 5, 130, 300]
+    k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, page_size, 2, 64, seed=11, device=DEVICE)
+    q = torch.randn(len(lens), 14, 64, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    config = replace(kda.default_config(len(lens), 2, bt.shape[1] * page_size, 64, q.device),
+                     num_splits=2, block_n=block_n)
+    assert config.prefetch == prefetch
+    with nan_filled_empty():
+        out = kda.launch_paged_decode(q, k_pool, v_pool, bt, sl, 0.125, config)
+    ref = decode_attention("eager", q, k_pool, v_pool, bt, sl, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_strided_q():
@@ -284,32 +309,32 @@ def test_compiled_ops_do_not_copy_the_pool():
     assert not torch.equal(row, torch.zeros_like(row)) and row.isfinite().all()
 
 
-# --- fused Gumbel-max sampler -------------------------------------------------------------------------------
+# --- fused two-level sampler -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-@pytest.mark.parametrize("B", [6, 40])
-def test_gumbel_sample_kernel_draws_what_the_reference_draws(dtype, temperature, B):
-    from kernels.sample import num_chunks
-    from minigrpo.sampling import SamplingParams, sample
+@pytest.mark.parametrize("B", [1, 6, 40])
+def test_fused_sample_draws_what_the_reference_draws(dtype, temperature, B):
+    from minigrpo.sampling import SAMPLE_CHUNK, SamplingParams, sample
     g = torch.Generator().manual_seed(7)
-    V = 5000                                           # not a multiple of the kernel's block
-    chunks = num_chunks(B, V, 132 if DEVICE == "cuda" else 4)
-    assert (chunks > 1) == (B == 6 or DEVICE == "cuda"), chunks  # both the split and the one-chunk path
+    V = 2 * SAMPLE_CHUNK + 1808                        # 3 chunks, the last one partial
     logits = (3 * torch.randn(B, V, generator=g)).to(dtype).to(DEVICE)
-    logits[-1, V - 3] = 40.0                           # a sure winner in the last block of the last chunk
+    logits[-1, V - 3] = 40.0                           # a sure winner in the last chunk's tail
     seeds = torch.arange(11, 11 + B, device=DEVICE) * 7919
     ctr = torch.randint(0, 1000, (B,), generator=g).to(DEVICE)
-    tok, logp = torch.ops.minigrpo.gumbel_sample(logits, seeds, ctr, temperature)
+    tok, logp = torch.ops.minigrpo.fused_sample(logits, seeds, ctr, temperature)
     ref_tok, ref_logp = sample(logits, SamplingParams(temperature=temperature), seeds, ctr)
     assert torch.equal(tok, ref_tok)
     torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=1e-5)
+    assert tok[-1] == V - 3
+    if B == 40:
+        assert len(set((tok[:-1] // SAMPLE_CHUNK).tolist())) == 3  # every chunk gets drawn
 
 
-def test_gumbel_sample_kernel_rejects_bad_input():
+def test_fused_sample_rejects_bad_input():
     logits = torch.randn(2, 10, device=DEVICE)
     seeds = torch.zeros(2, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="temperature > 0"):
-        torch.ops.minigrpo.gumbel_sample(logits, seeds, seeds, 0.0)
+        torch.ops.minigrpo.fused_sample(logits, seeds, seeds, 0.0)
     with pytest.raises(ValueError, match="seeds and counters must be int64"):
-        torch.ops.minigrpo.gumbel_sample(logits, seeds.int(), seeds, 1.0)
+        torch.ops.minigrpo.fused_sample(logits, seeds.int(), seeds, 1.0)

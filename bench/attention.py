@@ -34,7 +34,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -61,8 +60,7 @@ def parse_args():
     p.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
     p.add_argument("--points", default=None, help="override, e.g. '64x512,256x2048' (sequences x context)")
     p.add_argument("--no-eager", action="store_true", help="skip the (slow) eager backend")
-    p.add_argument("--sweep", action="store_true",
-                   help="also time other split counts and launch configs, prefetch on and off")
+    p.add_argument("--sweep", action="store_true", help="also time other split counts and launch configs")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench_cudagraph measurement window")
     p.add_argument("--out", default=None, help="JSON output path")
     args = p.parse_args()
@@ -150,18 +148,14 @@ def bench_point(B, ctx, S, args, timer, gen):
 
 
 def sweep(q, seq_lens, scale, paged, S, timer, auto_splits):
-    """Microseconds for other split counts and (block_n, num_warps, num_stages), each with the prefetch loop
-    on and off; failures are recorded. auto_splits leads the split list, so the default config is timed
-    both ways whatever its split count."""
+    """Microseconds for other split counts and (block_n, num_warps, num_stages); failures are recorded."""
     base = kda.default_config(q.shape[0], HKV, paged[0][2].shape[1] * S, D, q.device)
-    configs = [replace(base, num_splits=ns, prefetch=pf)
-               for ns in (auto_splits, 1, 2, 4, 8, 16) for pf in (False, True)]
-    configs += [kda.LaunchConfig(auto_splits, bn, w, st, pf)
-                for bn, w, st, pf in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (False, True))]
+    configs = [kda.LaunchConfig(ns, base.block_n, base.num_warps, base.num_stages) for ns in (1, 2, 4, 8, 16)]
+    configs += [kda.LaunchConfig(auto_splits, bn, w, st)
+                for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
     results = {}
     for cfg in configs:
-        key = (f"splits={cfg.num_splits} block_n={cfg.block_n} warps={cfg.num_warps} stages={cfg.num_stages} "
-               f"prefetch={cfg.prefetch}")
+        key = f"splits={cfg.num_splits} block_n={cfg.block_n} warps={cfg.num_warps} stages={cfg.num_stages}"
         if key in results:
             continue
         try:
@@ -200,7 +194,7 @@ def print_tables(result):
               + f" {r['gather_over_triton']:>8.2f} {r['triton_over_dense']:>9.2f} {r['gbps']['triton']:>9.0f}"
               + f" {100 * r['gbps']['triton'] / result['copy_gbps']:>5.0f}% {r['max_abs_err_vs_gather']:>8.1e}")
         for key, t in sorted(r.get("sweep", {}).items(), key=lambda kv: (isinstance(kv[1], str), kv[1])):
-            print(f"{'':>22}sweep {key:<54} " + (f"{t:>10.1f} us" if not isinstance(t, str) else t))
+            print(f"{'':>22}sweep {key:<48} " + (f"{t:>10.1f} us" if not isinstance(t, str) else t))
     print(f"\n{'rope+store seqs':>15} {'triton us':>10} {'torch us':>10} {'torch/triton':>12}")
     for r in result["rope_store"]:
         print(f"{r['sequences']:>15} {r['us']['triton']:>10.1f} {r['us']['torch']:>10.1f} "

@@ -10,11 +10,6 @@ is about reading the cache once, at full bandwidth, straight from the pool:
   once per query head.
 * BLOCK_N = 64 tokens per iteration (4 pages at page size 16): enough bytes in flight per step, whatever
   the page size, because a token's page is looked up per token rather than per iteration.
-* At decode sizes (a few blocks per program) latency, not bandwidth, bounds it. Given the block-table ->
-  K/V load chain, Triton's pipeliner keeps one K/V buffer and refills it only after the previous block's
-  math, so every block waits a full memory latency. `LaunchConfig.prefetch` selects a hand
-  double-buffered loop instead: block i+1's page ids and K/V are loaded into registers before block i's
-  math, two tiles in flight per program.
 * Split-K over the sequence fills the GPU when batch * kv_heads alone cannot. Each split reduces its
   share with an online softmax (fp32, log2 domain) and writes a normalised partial output and its
   log-sum-exp; a second small kernel merges them. The split count depends only on static shapes
@@ -43,46 +38,15 @@ from torch.library import triton_op, wrap_triton
 BLOCK_N = 64                 # tokens per inner-loop step
 MIN_TOKENS_PER_SPLIT = 128   # a split shorter than this costs more in merge traffic than it gains
 MAX_SPLITS = 32
-# Latency is hidden mainly by occupancy (without prefetch, one tile is in flight per program: see the
-# module docstring). At D = 64 a program takes ~58 registers/thread and ~20 KiB of shared memory, so ~8
-# fit on an SM; prefetch holds the next tile in registers (~125/thread), so 4 fit. Split until there are
-# 3 per SM. Measured at context 288 on the H200: 256 sequences x 2 KV heads (3.9 per SM) run 14.7 us
-# unsplit and 18.6 us in 2 splits + merge; 64 sequences (1 per SM) run 9.8 us unsplit and 8.9 us in 4
-# splits.
+# Latency is hidden by occupancy rather than deep software pipelining: Triton's pipeliner loads the next
+# block's page ids early but keeps one K/V buffer, so each block waits a memory latency. At D = 64 a
+# program takes ~58 registers/thread and ~20 KiB of shared memory, so ~8 fit on an SM. (A hand
+# double-buffered loop, two K/V tiles in registers, ~128 registers, 4 programs per SM, measured slower:
+# 15.8 against 14.9 us at 256 x 288 on the H200, bench/NOTES.md session 4.) Split until there are 3 per SM. Measured at context 288
+# on the H200: 256 sequences x 2 KV heads (3.9 per SM) run 14.7 us unsplit and 18.6 us in 2 splits + merge;
+# 64 sequences (1 per SM) run 9.8 us unsplit and 8.9 us in 4 splits.
 PROGRAMS_PER_SM = 3
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _load_kv_block(k_pool_ptr, v_pool_ptr, block_table_ptr, b, kvh, start, hi, stride_bt,
-                   HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K, V tiles (BLOCK_N, D) of tokens [start, start + BLOCK_N); tokens >= hi read 0 and touch no memory."""
-    tok = start + tl.arange(0, BLOCK_N)                            # (BLOCK_N,) positions in the sequence
-    tok_ok = tok < hi
-    page = tl.load(block_table_ptr + b * stride_bt + tok // PAGE, mask=tok_ok, other=0)
-    # int64: page * PAGE * HKV * D overflows int32 on large pools.
-    row = (page.to(tl.int64) * PAGE + tok % PAGE) * (HKV * D) + kvh * D       # (BLOCK_N,) element offsets
-    kv_off = row[:, None] + tl.arange(0, D)[None, :]                           # (BLOCK_N, D)
-    k = tl.load(k_pool_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
-    v = tl.load(v_pool_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_block(q, k, v, start, hi, m, l, acc, qk_scale,
-                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step over the tile of tokens [start, start + BLOCK_N). -> updated (m, l, acc)."""
-    tok_ok = start + tl.arange(0, BLOCK_N) < hi
-    # Under torch.compile the Python-float scale can arrive as fp64; the cast keeps the loop-carried
-    # softmax state fp32 (Triton rejects a loop variable whose type changes).
-    s = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)  # (BLOCK_H, BLOCK_N)
-    s = tl.where(tok_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))        # finite: every step has at least one valid token
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l, acc
 
 
 @triton.jit
@@ -91,7 +55,7 @@ def _paged_decode_kernel(
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, stride_os,
     qk_scale, max_tokens,
     HKV: tl.constexpr, N_REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREFETCH: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     # fp32 inputs (tests) get exact products; bf16/fp16 ignore the setting and use tensor cores.
     DOT_PRECISION: tl.constexpr = "ieee" if q_ptr.dtype.element_ty == tl.float32 else "tf32"
@@ -115,22 +79,26 @@ def _paged_decode_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)              # running max (log2 units)
     l = tl.zeros([BLOCK_H], tl.float32)                            # running softmax denominator
     acc = tl.zeros([BLOCK_H, D], tl.float32)                       # running numerator
-    if PREFETCH:
-        # Hand double buffering: block i+1's page ids and K/V are loaded (into registers) before block i's
-        # math, so its memory latency runs while this iteration waits on and works on block i. The block
-        # after the last (and every block of an empty split) is fully masked: it touches no memory.
-        k, v = _load_kv_block(k_pool_ptr, v_pool_ptr, block_table_ptr, b, kvh, lo, hi, stride_bt,
-                              HKV, D, PAGE, BLOCK_N)
-        for start in range(lo, hi, BLOCK_N):
-            k_next, v_next = _load_kv_block(k_pool_ptr, v_pool_ptr, block_table_ptr, b, kvh, start + BLOCK_N,
-                                            hi, stride_bt, HKV, D, PAGE, BLOCK_N)
-            m, l, acc = _attend_block(q, k, v, start, hi, m, l, acc, qk_scale, BLOCK_N, DOT_PRECISION)
-            k, v = k_next, v_next
-    else:
-        for start in range(lo, hi, BLOCK_N):
-            k, v = _load_kv_block(k_pool_ptr, v_pool_ptr, block_table_ptr, b, kvh, start, hi, stride_bt,
-                                  HKV, D, PAGE, BLOCK_N)
-            m, l, acc = _attend_block(q, k, v, start, hi, m, l, acc, qk_scale, BLOCK_N, DOT_PRECISION)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)                        # (BLOCK_N,) positions in the sequence
+        tok_ok = tok < hi
+        page = tl.load(block_table_ptr + b * stride_bt + tok // PAGE, mask=tok_ok, other=0)
+        # int64: page * PAGE * HKV * D overflows int32 on large pools.
+        row = (page.to(tl.int64) * PAGE + tok % PAGE) * (HKV * D) + kvh * D   # (BLOCK_N,) element offsets
+        kv_off = row[:, None] + d[None, :]                                     # (BLOCK_N, D)
+        k = tl.load(k_pool_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        v = tl.load(v_pool_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+
+        # Under torch.compile the Python-float scale can arrive as fp64; the cast keeps the loop-carried
+        # softmax state fp32 (Triton rejects a loop variable whose type changes).
+        s = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)  # (BLOCK_H, BLOCK_N)
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))        # finite: every step has at least one valid token
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
 
     # An empty split (or seq_len 0) has l == 0: output 0 and lse -inf, which the merge weighs as nothing.
     has_any = l > 0
@@ -221,9 +189,6 @@ class LaunchConfig:
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = 3
-    # Hand double buffering (module docstring). On by prediction from the sm_90 code (two tiles in flight
-    # instead of one); `bench/attention.py --sweep` times both (keys `prefetch=...`).
-    prefetch: bool = True
 
 
 def default_config(batch: int, kv_heads: int, max_tokens: int, head_dim: int, device: torch.device):
@@ -277,7 +242,7 @@ def launch_paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale: float, 
         q.stride(0), q.stride(1), block_table.stride(0), o_part.stride(0), o_part.stride(1), stride_os,
         scale * LOG2E, M * S,
         HKV=Hkv, N_REP=n_rep, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), D=D, PAGE=S,
-        BLOCK_N=config.block_n, NUM_SPLITS=NS, PREFETCH=config.prefetch,
+        BLOCK_N=config.block_n, NUM_SPLITS=NS,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if NS > 1:

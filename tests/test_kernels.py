@@ -80,18 +80,10 @@ GEOMETRIES = {  # lengths (0 = padded slot), page size, q heads, kv heads, head 
 }
 
 
-@pytest.fixture(params=[False, True], ids=["plain", "prefetch"])
-def prefetch(request, monkeypatch):
-    """Runs the test once per inner-loop variant, whichever is the default: the op takes default_config's."""
-    default_config = kda.default_config
-    monkeypatch.setattr(kda, "default_config", lambda *a: replace(default_config(*a), prefetch=request.param))
-    return request.param
-
-
 @pytest.mark.parametrize("num_splits", [1, 3, 0], ids=["unsplit", "split3", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
-def test_decode_matches_eager(geometry, dtype, num_splits, prefetch):
+def test_decode_matches_eager(geometry, dtype, num_splits):
     lens, S, Hq, Hkv, D = geometry
     k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, S, Hkv, D, dtype=dtype, seed=len(lens), device=DEVICE)
     q = torch.randn(len(lens), Hq, D, generator=torch.Generator().manual_seed(S)).to(DEVICE, dtype)
@@ -106,7 +98,7 @@ def test_decode_matches_eager(geometry, dtype, num_splits, prefetch):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_decode_sequence_filling_its_whole_table(num_splits, prefetch):
+def test_decode_sequence_filling_its_whole_table(num_splits):
     lens, S = [48, 33], 16
     k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, S, 2, 64, seed=7, device=DEVICE)
     bt = bt[:, :math.ceil(max(lens) / S)].contiguous()                  # the 48-token sequence uses every column
@@ -117,7 +109,7 @@ def test_decode_sequence_filling_its_whole_table(num_splits, prefetch):
 
 
 @pytest.mark.parametrize("block_n, page_size", [(16, 64), (128, 16)])
-def test_decode_other_block_sizes(block_n, page_size, prefetch):
+def test_decode_other_block_sizes(block_n, page_size):
     # The sweep's other tiles: 16 tokens take several steps per page, 128 span 8 pages per step. Two splits
     # give each sequence multi-step, partial-last-block and single-block splits.
     lens = [0, 5, 130, 300]
@@ -125,7 +117,6 @@ def test_decode_other_block_sizes(block_n, page_size, prefetch):
     q = torch.randn(len(lens), 14, 64, generator=torch.Generator().manual_seed(12)).to(DEVICE)
     config = replace(kda.default_config(len(lens), 2, bt.shape[1] * page_size, 64, q.device),
                      num_splits=2, block_n=block_n)
-    assert config.prefetch == prefetch
     with nan_filled_empty():
         out = kda.launch_paged_decode(q, k_pool, v_pool, bt, sl, 0.125, config)
     ref = decode_attention("eager", q, k_pool, v_pool, bt, sl, 0.125)

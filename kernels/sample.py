@@ -22,7 +22,8 @@ Why it is shaped this way (H200, bf16 logits, 256 x 151936 unless said; sm_90 SA
 * Kernel 2 also takes its chunk as one block, with 8 warps: 256 programs are about 2 per SM, and more
   threads hide the latency of the hash and logs (9.2 us with 4 warps and 4 steps, 6.7 us like this).
 * Measured as CUDA-graph replays over 4 rotating input sets (median): 31 us for both kernels at 256 rows
-  (13 us at 64), where the previous kernel took 119 us (35 us) timed the same way.
+  (13 us at 64), where the previous kernel took 119 us (35 us) timed the same way. In the decode step's
+  breakdown, sampling went from 0.139 to 0.044 ms at 256 rows (bench/NOTES.md, session 4).
 * There is no division at temperature 1, the RL default. Dividing by 1 is exact, so the draws do not
   change.
 * The hash keeps the reference's 31-bit values, but computes the low 31 bits of each product in uint32

@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "bf16: bf16 weights and AdamW moments, updated with stochastic rounding (8 bytes/param)")
     g.add_argument("--compile-policy", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the policy's decoder layers for the training and scoring forwards "
-                        "(fused elementwise ops, fewer kernel launches; compiles during the first steps; "
-                        "default: on with CUDA)")
+                        "(fused elementwise ops, fewer kernel launches). Batches are padded to static shapes "
+                        "(rows to the micro-batch size, columns to a multiple of 64), so each length bucket "
+                        "compiles once, during the first steps (default: on with CUDA)")
     g.add_argument("--logprob-chunk-size", type=int, default=D.logprob_chunk_size,
                    help="tokens per LM-head chunk when computing log-probs (memory: chunk x vocab x 4 bytes); "
                         "0 = full logits, the naive way (to compare memory)")
@@ -228,10 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"error: cannot join the torchrun process group: {e}", file=sys.stderr)
         return 2
+    rc = 1
     try:
-        return _train(args, dist, out)
+        rc = _train(args, dist, out)
+        return rc
     finally:
-        distributed.shutdown(dist)
+        distributed.shutdown(dist, together=rc == 0)
 
 
 def _train(args, dist, out: Path) -> int:

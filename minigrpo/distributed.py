@@ -95,8 +95,14 @@ def init_from_env(device: str) -> tuple[Dist, str]:
     return Dist(rank, world, local_rank, device if on_cuda else "cpu"), device
 
 
-def shutdown(dist: Dist) -> None:
+def shutdown(dist: Dist, together: bool = False) -> None:
+    """Leave the process group. together=True (every rank finished cleanly) first waits for all ranks:
+    once, in a loaded CPU test run, a gloo rank that tore down while its peer was still finishing aborted
+    at exit ("terminate called without an active exception"; not reproduced since). After an error a
+    barrier could wait forever on a rank that is gone, so it is skipped."""
     if dist.world > 1 and tdist.is_initialized():
+        if together:
+            tdist.barrier()
         tdist.destroy_process_group()
 
 

@@ -51,7 +51,8 @@ class TrainConfig:
     logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: chunk x vocab x 4 bytes); 0 = full logits
     activation_checkpointing: bool = False  # recompute layers in backward: far fewer activations, +1 forward
     weights: str = "fp32"             # fp32 master weights (+ bf16 autocast on CUDA), or bf16 (optim.py)
-    compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference
+    compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference,
+                                      # with batches padded to static shapes (Trainer._select)
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(self.betas))  # a list from argparse or JSON

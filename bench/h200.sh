@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|trl
+#   bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|ddp|trl
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
 set -u
@@ -51,11 +51,22 @@ case "${1:-}" in
     OUT=$OUT/lean_full $T --attn "" --full-logits --steps 2 -- $LEAN 2>&1 | grep -E "^triton|Error"
     OUT=$OUT/lean_mb32 $T --attn triton --steps 6 -- $LEAN --micro-batch-size 32 2>&1 | grep -E "^triton|Error"
     bash bench/h200.sh trl ;;
+  ddp)         # issue 6's scaling table: torchrun on 1, 2, 4, 8 GPUs (as many as there are) at a fixed
+               # 8 prompts x 8 samples per GPU, the LEAN trainer flags; step time and tokens/s from rank 0
+    [ -d /tmp/rand05b ] || python3 weights/download.py --random-init \
+      --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
+    NG=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    for n in 1 2 4 8; do
+      [ "$n" -le "$NG" ] || break
+      OUT=$OUT/ddp$n torchrun --standalone --nproc-per-node "$n" bench/train_step.py --model-dir /tmp/rand05b \
+        --data "$DATA" --attn triton --steps 5 -- --weights bf16 --activation-checkpointing \
+        --logprob-chunk-size 256 "${@:2}" 2>&1 | grep -E "^triton|Error"
+    done ;;
   trl)         # the peer: TRL GRPOTrainer on the same workload (../shared/peers/trl_baseline.py). Its wheels and
                # script must travel in .peers/ (git-ignored; carry it): cp ../shared/peers/{wheels/*.whl,*.py} .peers/
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl
     mkdir -p /tmp/peers && cp .peers/trl_baseline.py /tmp/peers/ && ln -sfn "$(realpath "$DATA")" /tmp/data
     PYTHONPATH=/tmp/site CACHE=${CACHE:-static} STEPS=${STEPS:-6} python3 /tmp/peers/trl_baseline.py 2>&1 | tail -3 ;;
-  *) echo "usage: bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|trl [args]"
+  *) echo "usage: bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|ddp|trl [args]"
      exit 2 ;;
 esac

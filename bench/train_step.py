@@ -11,6 +11,10 @@ the trainer (rightly) skips the update. To time every phase at the real sizes, t
 scored here by a stand-in reward, the parity of the completion's token sum: about half the samples of
 a group score 1, so every group trains. Timing does not depend on what the reward values are.
 Settings: 8 prompts x 8 samples x 256 new tokens, K=2, beta=0.04 (as train.py flags). JSON to $OUT.
+
+Data parallel (issue 6's scaling table): under `torchrun --nproc-per-node N` each rank rolls out
+--prompts prompts, so the per-GPU batch stays fixed and B = N x --prompts. Rank 0 reports; step times and
+tokens/s are over all ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
+from minigrpo import distributed  # noqa: E402
 from minigrpo.trainer import Trainer  # noqa: E402
 
 
@@ -47,10 +52,10 @@ class StandInReward:
         return self.task.describe(i)
 
 
-def run(spec: str, args, full_logits: bool, out: Path) -> list[dict]:
+def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -> list[dict]:
     attn, _, comp = spec.partition(":")
     flags = ["--model-dir", args.model_dir, "--train-data", f"{args.data}/gsm8k/train.jsonl", "--device", args.device,
-             "--attn", attn, "-B", "8", "-G", "8", "--max-new-tokens", "256", "-K", "2", "--beta", "0.04",
+             "--attn", attn, "-B", str(args.prompts * dist.world), "-G", "8", "--max-new-tokens", "256", "-K", "2", "--beta", "0.04",
              "--steps", str(args.steps), "--eval-every", "0", "--save-every", "0", "--sample-every", "0",
              "--out", str(out)]
     # the full-logits flag goes last: it overrides a --logprob-chunk-size among the extra flags
@@ -58,7 +63,8 @@ def run(spec: str, args, full_logits: bool, out: Path) -> list[dict]:
                                + (["--logprob-chunk-size", "0"] if full_logits else []))
     model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli)
     backend = train_cli.build_backend(cli, model, tokenizer, task, None)
-    trainer = Trainer(cli.cfg, model, tokenizer, StandInReward(task), backend, out, tokenizer_dir=model_dir)
+    trainer = Trainer(cli.cfg, model, tokenizer, StandInReward(task), backend, out, tokenizer_dir=model_dir,
+                      dist=dist)
     rows = [trainer.step() for _ in range(args.steps)]
     if args.profile:  # one more step under the profiler: where the time goes, GPU kernels vs host
         from torch.profiler import ProfilerActivity, profile
@@ -70,9 +76,10 @@ def run(spec: str, args, full_logits: bool, out: Path) -> list[dict]:
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
         summary = (f"profiled step: {prof_row['time_step']:.3f} s wall ({phases}); "
                    f"GPU kernels busy {gpu_us / 1e6:.3f} s; {launches} kernel launches\n")
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "profile.txt").write_text(summary + events.table(sort_by="self_cuda_time_total", row_limit=30))
-        print(summary, flush=True)
+        if dist.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "profile.txt").write_text(summary + events.table(sort_by="self_cuda_time_total", row_limit=30))
+            print(summary, flush=True)
     del trainer, backend, model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -87,12 +94,14 @@ def main():
                    "the --full-logits run)")
     p.add_argument("--full-logits-attn", default="triton:none", help="the backend of the --full-logits run")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step per rank (x 8 samples each)")
     p.add_argument("--steps", type=int, default=2, help="steps per backend; the last one is reported")
     p.add_argument("--full-logits", action="store_true",
                    help="also one run with full logits (--logprob-chunk-size 0: the naive log_softmax)")
     p.add_argument("--profile", action="store_true", help="profile one extra step (profile.txt in each run's folder)")
     p.add_argument("extra", nargs="*", help="more train.py flags (after --)")
     args = p.parse_args()
+    dist, args.device = distributed.init_from_env(args.device)  # torchrun: one GPU per rank
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     keys = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_sync", "time_step",
@@ -103,15 +112,18 @@ def main():
     runs = [(a, False) for a in args.attn.split(",") if a] + ([(args.full_logits_attn, True)] if args.full_logits else [])
     for attn, full in runs:
         name = (f"{attn}_full_logits" if full else attn).replace(":", "_compile_")
-        rows = run(attn, args, full, out / f"train_{name}")
+        rows = run(attn, args, full, out / f"train_{name}", dist)
         last = rows[-1]
         row = {k: last[k] for k in keys if k in last}
         row["rollout_share"] = last["time_rollout"] / last["time_step"]
+        row["world"] = dist.world
         row["every_step"] = [{k: round(r[k], 3) for k in keys if k in r and (k.startswith("time") or k == "compiled_graphs")}
                             for r in rows]
         result[name] = row
-        print(name, json.dumps(row), flush=True)
-        (out / "train_step.json").write_text(json.dumps(result, indent=1))  # after each run: partial results survive
+        if dist.is_main:
+            print(name, json.dumps(row), flush=True)
+            (out / "train_step.json").write_text(json.dumps(result, indent=1))  # after each run: partial results survive
+    distributed.shutdown(dist, together=True)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,10 @@ class Trainer:
             for m in (model, self.ref) if self.ref is not None else (model,):
                 for layer in m.model.layers:
                     layer.compile(dynamic=False)
+            # Every layer shares one code object, whose graphs count against Dynamo's recompile limit (8):
+            # one per length bucket and grad mode, up to 2 x (prompt + max_new_tokens) / SEQ_BUCKET. Past the
+            # limit a new shape would quietly run eager, so the limit is raised (a process-wide setting).
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if cfg.weights == "bf16":
             self.optimizer = StochasticAdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                              weight_decay=cfg.weight_decay)

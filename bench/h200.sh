@@ -7,6 +7,11 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; export OUT; mkdir -p "$OUT"
 DATA=${MINIGRPO_DATA:-../shared/data}
+LEAN="--weights bf16 --activation-checkpointing --logprob-chunk-size 256"  # TRL's memory setting (README)
+rand05b() {  # the random-initialised Qwen2.5-0.5B the trainer benchmarks run on, written once per machine
+  [ -d /tmp/rand05b ] || python3 weights/download.py --random-init \
+    --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
+}
 case "${1:-}" in
   checks)      # correctness on the GPU: kernels in bf16, logits / greedy vs transformers, engine modes
     python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 tests/test_kernels.py tests/test_gpu.py \
@@ -22,7 +27,7 @@ case "${1:-}" in
   logprobs)    # memory of chunked vs full-logit log-probs
     python3 bench/logprobs_memory.py ;;
   train)       # one full Dr. GRPO step per backend on a random-initialised Qwen2.5-0.5B
-    python3 weights/download.py --random-init --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
+    rand05b
     for attn in triton sdpa; do
       python3 train.py --model-dir /tmp/rand05b --train-data "$DATA/gsm8k/train.jsonl" --test-data "$DATA/gsm8k/test.jsonl" \
         --device cuda --attn "$attn" -B 8 -G 8 --max-new-tokens 256 -K 2 --beta 0.04 --steps 2 --eval-every 0 \
@@ -30,22 +35,18 @@ case "${1:-}" in
     done ;;
   trainstep)   # every phase timed (stand-in reward, see bench/train_step.py), plus a full-logits update run;
                # sdpa without compile saves its ~70 s step compile (only the phases after the rollout differ)
-    [ -d /tmp/rand05b ] || python3 weights/download.py --random-init \
-      --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
+    rand05b
     python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --attn triton,sdpa:none --steps 3 \
       --full-logits "${@:2}" ;;
   trainmem)    # update-phase memory with activation checkpointing: chunked vs full logits (no step compile)
-    [ -d /tmp/rand05b ] || python3 weights/download.py --random-init \
-      --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
+    rand05b
     python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --attn triton:none --full-logits \
       -- --activation-checkpointing "${@:2}" ;;
   trainvs)     # issue 5's acceptance set in one call (~9 min): the default (fp32 master weights, compiled
                # policy), the memory-lean setting, its full-logits baseline, the lean setting with 32-row
                # micro-batches (fewer launches, more memory), then TRL (needs .peers/, see trl)
-    [ -d /tmp/rand05b ] || python3 weights/download.py --random-init \
-      --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
+    rand05b
     T="python3 bench/train_step.py --model-dir /tmp/rand05b --data $DATA"
-    LEAN="--weights bf16 --activation-checkpointing --logprob-chunk-size 256"
     OUT=$OUT/default $T --attn triton --steps 5 2>&1 | grep -E "^triton|Error"
     OUT=$OUT/lean $T --attn triton --steps 6 -- $LEAN 2>&1 | grep -E "^triton|Error"
     OUT=$OUT/lean_full $T --attn "" --full-logits --steps 2 -- $LEAN 2>&1 | grep -E "^triton|Error"
@@ -53,14 +54,12 @@ case "${1:-}" in
     bash bench/h200.sh trl ;;
   ddp)         # issue 6's scaling table: torchrun on 1, 2, 4, 8 GPUs (as many as there are) at a fixed
                # 8 prompts x 8 samples per GPU, the LEAN trainer flags; step time and tokens/s from rank 0
-    [ -d /tmp/rand05b ] || python3 weights/download.py --random-init \
-      --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
+    rand05b
     NG=$(python3 -c "import torch; print(torch.cuda.device_count())")
     for n in 1 2 4 8; do
       [ "$n" -le "$NG" ] || break
       OUT=$OUT/ddp$n torchrun --standalone --nproc-per-node "$n" bench/train_step.py --model-dir /tmp/rand05b \
-        --data "$DATA" --attn triton --steps 5 -- --weights bf16 --activation-checkpointing \
-        --logprob-chunk-size 256 "${@:2}" 2>&1 | grep -E "^triton|Error"
+        --data "$DATA" --attn triton --steps 5 -- $LEAN "${@:2}" 2>&1 | grep -E "^triton|Error"
     done ;;
   trl)         # the peer: TRL GRPOTrainer on the same workload (../shared/peers/trl_baseline.py). Its wheels and
                # script must travel in .peers/ (git-ignored; carry it): cp ../shared/peers/{wheels/*.whl,*.py} .peers/

@@ -55,9 +55,9 @@ class StandInReward:
 def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -> list[dict]:
     attn, _, comp = spec.partition(":")
     flags = ["--model-dir", args.model_dir, "--train-data", f"{args.data}/gsm8k/train.jsonl", "--device", args.device,
-             "--attn", attn, "-B", str(args.prompts * dist.world), "-G", "8", "--max-new-tokens", "256", "-K", "2", "--beta", "0.04",
-             "--steps", str(args.steps), "--eval-every", "0", "--save-every", "0", "--sample-every", "0",
-             "--out", str(out)]
+             "--attn", attn, "-B", str(args.prompts * dist.world), "-G", "8", "--max-new-tokens", "256",
+             "-K", "2", "--beta", "0.04", "--steps", str(args.steps), "--eval-every", "0", "--save-every", "0",
+             "--sample-every", "0", "--out", str(out)]
     # the full-logits flag goes last: it overrides a --logprob-chunk-size among the extra flags
     cli = train_cli.parse_args(flags + (["--compile", comp] if comp else []) + args.extra
                                + (["--logprob-chunk-size", "0"] if full_logits else []))

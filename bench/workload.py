@@ -28,9 +28,10 @@ def qwen_dir() -> Path:
     return data_dir() / "qwen2.5-0.5b-instruct"
 
 
-def random_qwen(device="cuda", dtype=torch.bfloat16, seed=0, std=0.02) -> Qwen2ForCausalLM:
+def random_qwen(device="cuda", dtype=torch.bfloat16, seed=0, std=0.02, config_dir: Path | None = None
+                ) -> Qwen2ForCausalLM:
     """Qwen2.5-0.5B-Instruct's architecture with transformers' initialiser (normal(0, std))."""
-    cfg = ModelConfig.from_json(qwen_dir() / "config.json")
+    cfg = ModelConfig.from_json((config_dir or qwen_dir()) / "config.json")
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg)
     init_weights(model, torch.Generator(device=device).manual_seed(seed), std=std)

@@ -1,6 +1,11 @@
 """GPU acceptance checks at the exact Qwen2.5-0.5B shape, random weights, bf16 (run on the device machine).
 
     python -m pytest -q -s -m gpu tests/test_gpu.py
+    MINIGRPO_GPU_WEIGHTS=/tmp/fit05b python -m pytest -q -s -m gpu tests/test_gpu.py  # fitted weights
+
+Random weights make bf16 greedy parity a coin toss (near-uniform logits, see bench/fit_gsm8k.py), so
+there the bf16 checks only show that every divergence is a near tie. With $MINIGRPO_GPU_WEIGHTS naming a
+model directory with confident logits (bench/fit_gsm8k.py writes one) they demand the tokens themselves.
 
 Figures are printed and, when $OUT is set, written to $OUT/gpu_checks.jsonl.
 """
@@ -14,13 +19,14 @@ import pytest
 import torch
 
 from bench.workload import gsm8k_prompts, qwen_dir, random_qwen
-from minigrpo.checkpoint import save_model  # noqa: E402
+from minigrpo.checkpoint import load_model, save_model  # noqa: E402
 from minigrpo.engine import Engine, EngineConfig  # noqa: E402
 from minigrpo.generate import generate  # noqa: E402
 from minigrpo.sampling import GREEDY  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 NEW = 64
+WEIGHTS = os.environ.get("MINIGRPO_GPU_WEIGHTS")  # a model directory to check instead of random weights
 
 
 def record(name, **figures):
@@ -53,7 +59,7 @@ def models(tmp_path_factory):
     `hf_model.to(torch.bfloat16)`, which also rounds its fp32 RoPE frequencies to bf16 and alone moves its
     logits about 2% away from an fp32 reference (from_pretrained keeps them fp32)."""
     transformers = pytest.importorskip("transformers")
-    ours32 = random_qwen(dtype=torch.float32)
+    ours32 = load_model(WEIGHTS, torch.float32, "cuda").eval() if WEIGHTS else random_qwen(dtype=torch.float32)
     path = tmp_path_factory.mktemp("ckpt")
     save_model(ours32, path, tokenizer_dir=qwen_dir(), dtype=torch.bfloat16)
     hf = {dt: transformers.Qwen2ForCausalLM.from_pretrained(path, dtype=dt).to("cuda").eval()
@@ -144,12 +150,27 @@ MODES = [(attn, comp, graphs) for attn in ("eager", "sdpa", "triton") for comp i
 REFERENCE = {}
 
 
+@torch.no_grad()
+def top2_gaps(model32, prompts, runs) -> torch.Tensor:
+    """The fp32 logit gap between the best and second-best token at every step of each continuation."""
+    gaps = []
+    for p, c in zip(prompts, runs):
+        logits = model32(torch.tensor([p + c], device="cuda"))[0, len(p) - 1:len(p) + len(c) - 1].float()
+        top = logits.topk(2, dim=-1).values                                          # (len(c), 2)
+        gaps.append(top[:, 0] - top[:, 1])
+    return torch.cat(gaps)
+
+
 def engine_vs_reference(setup, models, dtype, attn, comp, graphs):
     tok, prompts = setup
     ours = models["ours"][dtype]
     if dtype not in REFERENCE:
         REFERENCE[dtype] = [generate(ours, [p], NEW, stop_ids=tok.stop_ids, pad_id=tok.pad_id).tokens[0]
                             for p in prompts]
+        gaps = top2_gaps(models["ours"][torch.float32], prompts, REFERENCE[dtype])
+        record("reference_confidence", weights=WEIGHTS or "random", dtype=str(dtype), steps=gaps.numel(),
+               median_top2_gap=round(gaps.median().item(), 4),
+               steps_under_near_tie=int((gaps < NEAR_TIE).sum()), steps_under_0_01=int((gaps < 0.01).sum()))
     ref = REFERENCE[dtype]
     engine = Engine(ours.config, EngineConfig(attn=attn, compile=comp, cuda_graphs=graphs, max_batch=8,
                                               max_seq_len=512, kv_pages=512), device="cuda", dtype=dtype)
@@ -158,7 +179,7 @@ def engine_vs_reference(setup, models, dtype, attn, comp, graphs):
     assert engine.kv.num_free == engine.kv.capacity
     same = sum(a == b for a, b in zip(out, ref))
     gaps = divergence_gaps(models["ours"][torch.float32], prompts, out, ref)
-    record("engine_greedy_vs_reference", dtype=str(dtype), attn=attn, compile=comp, cuda_graphs=graphs,
+    record("engine_greedy_vs_reference", weights=WEIGHTS or "random", dtype=str(dtype), attn=attn, compile=comp, cuda_graphs=graphs,
            identical=same, of=len(prompts), first_divergence=[first_divergence(a, b) for a, b in zip(out, ref)],
            near_tie_gaps=gaps)
     return same, gaps
@@ -171,11 +192,16 @@ def test_engine_greedy_matches_reference_fp32(setup, models, attn, comp, graphs)
     assert same >= 7
 
 
-@pytest.mark.parametrize("attn, comp, graphs", [("triton", "step", True), ("sdpa", "none", True)])
+@pytest.mark.parametrize("attn, comp, graphs", MODES, ids=[f"{a}-{c}-{'graphs' if g else 'nographs'}" for a, c, g in MODES])
 @torch.no_grad()
-def test_engine_greedy_bf16_diverges_only_at_near_ties(setup, models, attn, comp, graphs):
+def test_engine_greedy_bf16(setup, models, attn, comp, graphs):
+    """Confident (fitted) weights: the same tokens for at least 7 of 8 prompts. Random weights: wherever
+    the two part ways, it is at a near tie, the only check their near-uniform logits allow."""
     same, gaps = engine_vs_reference(setup, models, torch.bfloat16, attn, comp, graphs)
-    assert all(g < NEAR_TIE for g in gaps)
+    if WEIGHTS:
+        assert same >= 7
+    else:
+        assert all(g < NEAR_TIE for g in gaps)
 
 
 @torch.no_grad()

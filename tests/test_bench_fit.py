@@ -1,0 +1,34 @@
+"""bench/fit_gsm8k.py, the stand-in for trained weights the GPU parity checks run on: the chat it fits
+ends with the reference solution and the stop token, and a few steps lower the loss."""
+
+import pytest
+import torch
+
+from bench.fit_gsm8k import IGNORE, batch, chats, fit
+from conftest import QWEN_DIR, SHARED_DATA, random_model, tiny_config
+from minigrpo.tokenizer import Tokenizer
+
+
+def test_right_padded_batch_predicts_only_real_tokens():
+    ids, tgt = batch([[5, 6, 7], [8, 9]], pad_id=0, device="cpu")
+    assert ids.tolist() == [[5, 6], [8, 9]]
+    assert tgt.tolist() == [[6, 7], [9, IGNORE]]
+
+
+def test_chats_hold_prompt_solution_and_stop():
+    if not (SHARED_DATA / "gsm8k" / "train.jsonl").is_file():
+        pytest.skip(f"no GSM8K data at {SHARED_DATA}")
+    tok = Tokenizer.from_dir(QWEN_DIR)
+    seqs = chats(tok, SHARED_DATA / "gsm8k" / "train.jsonl", max_len=512)
+    text = tok.decode(seqs[0], skip_special_tokens=False)
+    assert "<|im_start|>assistant\n" in text and text.rstrip().endswith("#### 72<|im_end|>")
+    assert max(len(s) for s in seqs) <= 512
+
+
+def test_fit_lowers_the_loss():
+    torch.manual_seed(0)
+    model = random_model(tiny_config(vocab=64))
+    toy = [torch.randint(1, 64, (6,)).tolist() * 5 for _ in range(4)]  # repeating: learnable in a few steps
+    losses = fit(model, toy, pad_id=0, seconds=60, steps=40, batch_size=4, lr=3e-3, warmup=4, seed=0, log_every=10)
+    assert losses[-1][0] == 40 and not model.training
+    assert losses[-1][1] < 0.7 * losses[0][1], losses

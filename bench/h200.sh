@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|ddp|trl
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|ddp|trl
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
 set -u
@@ -16,6 +16,11 @@ case "${1:-}" in
   checks)      # correctness on the GPU: kernels in bf16, logits / greedy vs transformers, engine modes
     python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 tests/test_kernels.py tests/test_gpu.py \
       2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[|passed|failed|FAILED|Error" ;;
+  fitted)      # the same checks on confident weights: the random 0.5B fitted to GSM8K solutions (~3 min,
+               # bench/fit_gsm8k.py says why), where bf16 greedy parity is a meaningful test
+    [ -d /tmp/fit05b ] || python3 bench/fit_gsm8k.py --data "$DATA" --out /tmp/fit05b 2>&1 | tee "$OUT/fit.log" | tail -6
+    MINIGRPO_GPU_WEIGHTS=/tmp/fit05b python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 tests/test_gpu.py \
+      "${@:2}" 2>&1 | tee "$OUT/gpu_fitted.log" | grep -E "^\[|passed|failed|FAILED|Error" ;;
   attention)   # decode-attention microbenchmark (Triton vs gather+SDPA vs dense SDPA)
     python3 bench/attention.py --no-eager --out "$OUT/bench_attention.json" ;;
   decode64)    # engine vs HF generate, 8 GSM8K prompts x 8 samples x 256 tokens
@@ -66,6 +71,6 @@ case "${1:-}" in
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl
     mkdir -p /tmp/peers && cp .peers/trl_baseline.py /tmp/peers/ && ln -sfn "$(realpath "$DATA")" /tmp/data
     PYTHONPATH=/tmp/site CACHE=${CACHE:-static} STEPS=${STEPS:-6} python3 /tmp/peers/trl_baseline.py 2>&1 | tail -3 ;;
-  *) echo "usage: bash bench/h200.sh checks|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|ddp|trl [args]"
+  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|ddp|trl [args]"
      exit 2 ;;
 esac

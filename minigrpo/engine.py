@@ -26,6 +26,7 @@ Shape legend: N sequences in a rollout (prompts x G), B bucket (batch slots), M 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -117,8 +118,14 @@ class StepRunner:
 
     def __init__(self, model: DecodeModel, kv: KVCache, state: SlotState, cfg: EngineConfig):
         self.model, self.kv, self.state, self.cfg = model, kv, state, cfg
-        self._compiled_step = torch.compile(decode_step, fullgraph=True, dynamic=False)
-        self._compiled_logits = torch.compile(model.decode_logits, fullgraph=True, dynamic=False)
+        # emulate_precision_casts: Inductor would otherwise keep a fused kernel's intermediates in fp32 where
+        # eager rounds each op's output to bf16 (the residual adds before a norm, say). Rounding as eager
+        # does keeps compile=step on the eager step's numbers, so a bf16 greedy path does not depend on the
+        # mode; the casts are free in kernels bound by memory.
+        compile = functools.partial(torch.compile, fullgraph=True, dynamic=False,
+                                    options={"emulate_precision_casts": True})
+        self._compiled_step = compile(decode_step)
+        self._compiled_logits = compile(model.decode_logits)
         self._prepared: dict = {}  # (bucket, params) -> (unit, tail), unit replaying a graph if captured
         self._pool = None          # one memory pool shared by all captured graphs
 

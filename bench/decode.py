@@ -240,9 +240,18 @@ def main():
     p.add_argument("--report", action="store_true", help="graph / graph-break / kernel-launch report only")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for decode.json")
     args = p.parse_args()
+    try:
+        workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
+        assert all(len(w) == 2 and min(w) >= 1 for w in workloads)
+    except (ValueError, AssertionError):
+        p.error(f"--workloads {args.workloads!r}: expected PROMPTSxSAMPLES[,...] with positive numbers, e.g. 8x8,32x8")
+    out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        p.error(f"--out {out_dir} is a file; pass the folder decode.json should go in")
+    out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model = random_qwen()
-    _, all_prompts = gsm8k_prompts(max(int(w.split("x")[0]) for w in args.workloads.split(",")))
+    _, all_prompts = gsm8k_prompts(max(n for n, _ in workloads))
     attns = args.attn.split(",")
     # Rows in this order: every backend x mode with the first sampler, then the first backend's CUDA-graph
     # modes with each other sampler.
@@ -251,7 +260,7 @@ def main():
     plan += [(attns[0], m, s) for s in samplers[1:] for m in args.modes.split(",") if m.endswith("graphs")]
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bandwidth_tbs(),
                   sampler=args.sampler)
-    out = Path(args.out) / ("decode_report.json" if args.report else "decode.json")
+    out = out_dir / ("decode_report.json" if args.report else "decode.json")
     if args.report:
         result["report"] = report(model, all_prompts, attns, args.modes.split(","), samplers[0])
         out.write_text(json.dumps(result, indent=1))
@@ -260,8 +269,8 @@ def main():
 
     def save():  # after every row: a run cut off at its time limit still leaves what it measured
         out.write_text(json.dumps(result, indent=1))
-    for w in args.workloads.split(","):
-        n_prompts, G = (int(x) for x in w.split("x"))
+    for n_prompts, G in workloads:
+        w = f"{n_prompts}x{G}"
         prompts, N = all_prompts[:n_prompts], n_prompts * G
         mean_ctx = statistics.mean(len(p) for p in prompts) + args.new / 2
         wl = dict(workload=w, sequences=N, new=args.new, mean_prompt=statistics.mean(len(p) for p in prompts),

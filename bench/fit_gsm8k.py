@@ -1,6 +1,6 @@
 """Stand-in for trained weights: a random-initialised model fitted for a minute or two to GSM8K solutions.
 
-    python bench/fit_gsm8k.py --data ../shared/data --out /tmp/fit05b    # 500 steps, ~100 s on an H200
+    python bench/fit_gsm8k.py --data ../shared/data --out /tmp/fit05b    # 800 steps, ~170 s on an H200
 
 Why: no real weights are reachable here, and a random model is a poor subject for bf16 greedy parity.
 Its logits are near-uniform (std ~0.6 over 151,936 tokens), so the top two are typically ~0.1 apart and
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, required=True, help="folder with qwen2.5-0.5b-instruct/ and gsm8k/")
     p.add_argument("--out", type=Path, required=True, help="model directory to write")
-    p.add_argument("--steps", type=int, default=500, help="training steps (the cosine schedule spans them)")
+    p.add_argument("--steps", type=int, default=800, help="training steps (the cosine schedule spans them)")
     p.add_argument("--seconds", type=float, default=600.0, help="wall-clock cap: stop early after this long")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=5e-4)

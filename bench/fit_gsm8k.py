@@ -106,6 +106,9 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "max_len", "seconds", "lr"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     qwen = args.data / "qwen2.5-0.5b-instruct"
     for need in (qwen / "config.json", args.data / "gsm8k" / "train.jsonl"):
         if not need.is_file():

@@ -32,3 +32,12 @@ def test_fit_lowers_the_loss():
     losses = fit(model, toy, pad_id=0, seconds=60, steps=40, batch_size=4, lr=3e-3, warmup=4, seed=0, log_every=10)
     assert losses[-1][0] == 40 and not model.training
     assert losses[-1][1] < 0.7 * losses[0][1], losses
+
+
+@pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps must be positive"),
+                                           ([], "config.json not found")])
+def test_bad_settings_are_named(tmp_path, capsys, args, message):
+    from bench.fit_gsm8k import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--data", str(tmp_path), "--out", str(tmp_path / "out")] + args)
+    assert message in capsys.readouterr().err + str(exit_.value)  # argparse prints; our checks raise the text

@@ -17,8 +17,9 @@ How a rollout runs:
 
 Graph boundaries are configuration, not accident (`EngineConfig`): `compile` "none" runs the step eagerly,
 "step" compiles the whole step with torch.compile(fullgraph=True), which fails loudly instead of breaking
-the graph (and the prefill too, with symbolic shapes); `cuda_graphs` captures the step, compiled or not, once per bucket with torch.cuda.CUDAGraph;
-`sample_in_graph` puts sampling inside or outside those boundaries.
+the graph (and the prefill too, with symbolic shapes); `cuda_graphs` captures the step, compiled or not,
+once per bucket with torch.cuda.CUDAGraph; `sample_in_graph` puts sampling inside or outside those
+boundaries.
 
 Shape legend: N sequences in a rollout (prompts x G), B bucket (batch slots), M block-table width, W output width.
 """
@@ -133,7 +134,8 @@ class StepRunner:
         # Eager, the prefill is ~40 small launches per layer, host-bound (~27 ms for 8 GSM8K prompts on an
         # H200, 8% of a 64-sequence rollout); compiled, a few fused kernels per layer. Prompt lengths and
         # group counts vary per call, so one graph with symbolic shapes (plus one for a single group).
-        self._prefill = compile_like_eager(model.prefill, dynamic=True) if cfg.compile == "step" else model.prefill
+        self._prefill = (compile_like_eager(model.prefill, dynamic=True) if cfg.compile == "step"
+                         else model.prefill)
         self._prepared: dict = {}  # (bucket, params) -> (unit, tail), unit replaying a graph if captured
         self._pool = None          # one memory pool shared by all captured graphs
 

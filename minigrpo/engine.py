@@ -125,7 +125,8 @@ def compile_like_eager(fn, dynamic: bool):
 
 
 class StepRunner:
-    """Turns the decode step into a callable per (bucket, sampling params), honouring the graph config."""
+    """Turns the decode step into a callable per (bucket, sampling params), and runs the prefill, honouring
+    the graph config."""
 
     def __init__(self, model: DecodeModel, kv: KVCache, state: SlotState, cfg: EngineConfig):
         self.model, self.kv, self.state, self.cfg = model, kv, state, cfg

@@ -5,8 +5,8 @@ static cache) on the same weights and prompts, and the floors, all in one run.
     python bench/decode.py --workloads 8x8 --attn triton --modes step+graphs --peers none
     python bench/decode.py --report                          # graphs, graph breaks, kernel launches only
 
-Timing: CUDA events around each run of `sync_every` decode steps, median per step; tokens/s over the whole
-generate call (prefill and host syncs included). Stop ids are ignored, so every sequence decodes exactly
+Timing: CUDA events around each run of decode steps, median per step; tokens/s over the whole generate
+call (prefill and host syncs included), the median of --repeats rollouts, and the same for each peer. Stop ids are ignored, so every sequence decodes exactly
 `--new` tokens, as in the peer measurement. Floors, measured in the same run:
   bandwidth floor  (weight bytes + KV bytes read per step) / measured copy bandwidth
   matmul floor     the step's own GEMM chain (24 x qkv, o_proj, gate_up, down, residual adds, SiLU, then the
@@ -70,7 +70,7 @@ def bandwidth_floor_ms(engine: Engine, B: int, mean_ctx: float, copy_tbs: float)
     return (weight_bytes + kv_bytes) / (copy_tbs * 1e12) * 1e3
 
 
-def run_engine(model, prompts, G, new, attn, mode, page_size, sampler, explain: bool) -> dict:
+def run_engine(model, prompts, G, new, attn, mode, page_size, sampler, explain: bool, repeats: int) -> dict:
     comp, graphs = MODES[mode]
     N = len(prompts) * G
     max_len = -(-(max(len(p) for p in prompts) + new) // 64) * 64
@@ -83,33 +83,44 @@ def run_engine(model, prompts, G, new, attn, mode, page_size, sampler, explain: 
     engine.generate(prompts, G, 2 * cfg.sync_every, SAMPLING)  # warm-up: compile and capture
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - t0
-    step_ms, prefill_ms, prefill_model_ms = [], [], []
-    run, prefill, prefill_model = engine.runner.run, engine._prefill, engine.runner.prefill
+    # CUDA events around every run of decode steps, the prefill, and the prefill's model alone. Nothing
+    # waits on them during the rollout (that would stall the pipelined rounds); they are read after it.
+    windows = {"steps": [], "prefill": [], "prefill_model": []}
+    originals = run, prefill, prefill_model = engine.runner.run, engine._prefill, engine.runner.prefill
 
-    def timed(store, fn, per):
+    def timed(store, fn, count):
         def wrapper(*a):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             out = fn(*a)
             e.record()
-            e.synchronize()
-            store.append(s.elapsed_time(e) / per(a))
+            store.append((s, e, count(a)))
             return out
         return wrapper
-    engine.runner.run = timed(step_ms, run, lambda a: a[2])
-    engine._prefill = timed(prefill_ms, prefill, lambda a: 1)
-    engine.runner.prefill = timed(prefill_model_ms, prefill_model, lambda a: 1)  # the model alone, inside that
+    engine.runner.run = timed(windows["steps"], run, lambda a: a[2])
+    engine._prefill = timed(windows["prefill"], prefill, lambda a: 1)
+    engine.runner.prefill = timed(windows["prefill_model"], prefill_model, lambda a: 1)
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = engine.generate(prompts, G, new, SAMPLING, seeds=list(range(N)))
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    assert all(len(t) == new for t in out.tokens)
-    engine.runner.run, engine._prefill, engine.runner.prefill = run, prefill, prefill_model
-    return dict(engine=engine, **step_report(engine, N, explain), ms_per_step=statistics.median(step_ms),
-                prefill_ms=sum(prefill_ms), prefill_model_ms=sum(prefill_model_ms), tok_per_s=N * new / wall,
-                seconds=wall, warmup_s=warmup_s,
+    walls, step_ms, totals = [], [], {k: [] for k in windows}
+    for _ in range(repeats):
+        for w in windows.values():
+            w.clear()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, G, new, SAMPLING, seeds=list(range(N)))
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+        assert all(len(t) == new for t in out.tokens)
+        step_ms += [s.elapsed_time(e) / n for s, e, n in windows["steps"] if n]
+        for k, w in windows.items():
+            totals[k].append(sum(s.elapsed_time(e) for s, e, _ in w))
+    engine.runner.run, engine._prefill, engine.runner.prefill = originals
+    med = statistics.median
+    return dict(engine=engine, **step_report(engine, N, explain), ms_per_step=med(step_ms),
+                prefill_ms=med(totals["prefill"]), prefill_model_ms=med(totals["prefill_model"]),
+                # the rollout's wall time outside its step and prefill windows: syncs, compaction, launches
+                outside_windows_ms=med(1e3 * w - a - b for w, a, b in zip(walls, totals["steps"], totals["prefill"])),
+                tok_per_s=N * new / med(walls), seconds=med(walls), seconds_all=walls, warmup_s=warmup_s,
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9)
 
 
@@ -154,7 +165,7 @@ def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
 HF_MODES = {"dynamic": ("hf_dynamic_cache", {}), "static": ("hf_static_cache", dict(cache_implementation="static"))}
 
 
-def hf_peer(model, prompts, G, new, modes) -> list[dict]:
+def hf_peer(model, prompts, G, new, modes, repeats: int) -> list[dict]:
     try:
         import transformers
     except ImportError:
@@ -176,13 +187,16 @@ def hf_peer(model, prompts, G, new, modes) -> list[dict]:
             # the dynamic cache only needs its kernels loaded.
             for _ in range(2 if kw else 1):
                 hf.generate(ids, **(args if kw else dict(args, max_new_tokens=8, min_new_tokens=8)))
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = hf.generate(ids, **args)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            n = out.shape[1] - T
-            rows.append(dict(mode=mode, ms_per_step=1e3 * dt / n, tok_per_s=len(seqs) * n / dt, seconds=dt))
+            walls = []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = hf.generate(ids, **args)
+                torch.cuda.synchronize()
+                walls.append(time.perf_counter() - t0)
+            dt, n = statistics.median(walls), out.shape[1] - T
+            rows.append(dict(mode=mode, ms_per_step=1e3 * dt / n, tok_per_s=len(seqs) * n / dt, seconds=dt,
+                             seconds_all=walls))
         except Exception as e:  # a peer failing is a finding, not a reason to lose the run
             rows.append(dict(mode=mode, error=repr(e)[:300]))
     del hf
@@ -240,6 +254,7 @@ def main():
                    help="torch: the reference sampler; triton: the fused one-pass kernel; 'torch,triton': every row "
                         "with torch, then the first backend's CUDA-graph modes again with triton")
     p.add_argument("--peers", default="dynamic,static", help="HF generate caches to time: dynamic,static, or none")
+    p.add_argument("--repeats", type=int, default=3, help="timed rollouts per row (engine and peers): medians")
     p.add_argument("--report", action="store_true", help="graph / graph-break / kernel-launch report only")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for decode.json")
     args = p.parse_args()
@@ -247,6 +262,8 @@ def main():
     if not all(len(w) == 2 and min(w) >= 1 for w in workloads):
         p.error(f"--workloads {args.workloads!r}: expected PROMPTSxSAMPLES[,...] with positive numbers, "
                 f"e.g. 8x8,32x8")
+    if args.repeats < 1 or args.new < 1:
+        p.error(f"--repeats and --new must be >= 1, got {args.repeats} and {args.new}")
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         p.error(f"--out {out_dir} is a file; pass the folder decode.json should go in")
@@ -279,14 +296,15 @@ def main():
                   engine=[])
         result["workloads"].append(wl)
         if args.peers != "none":  # first: the yardstick every row is compared with
-            wl["peers"] = hf_peer(model, prompts, G, args.new, args.peers.split(","))
+            wl["peers"] = hf_peer(model, prompts, G, args.new, args.peers.split(","), args.repeats)
             print(json.dumps(wl["peers"]), flush=True)
             save()
         explained = set()
         for attn, mode, sampler in plan:
             try:
                 r = run_engine(model, prompts, G, args.new, attn, mode, args.page_size, sampler,
-                               explain=MODES[mode][0] == "step" and (attn, sampler) not in explained)
+                               explain=MODES[mode][0] == "step" and (attn, sampler) not in explained,
+                               repeats=args.repeats)
                 if "graph_breaks" in r:
                     explained.add((attn, sampler))
                 engine = r.pop("engine")
@@ -316,14 +334,14 @@ def print_table(result):
         print(f"\n{wl['workload']} ({wl['sequences']} seqs x {wl['new']} new); floors: bandwidth "
               f"{wl.get('bandwidth_floor_ms', float('nan')):.3f} ms, matmul chain {mm or float('nan'):.3f} ms "
               f"(cuBLAS eager {wl.get('matmul_floor_cublas_ms', float('nan')):.3f})")
-        print(f"{'attn':8} {'mode':12} {'sampler':7} {'ms/step':>8} {'tok/s':>9} {'prefill':>8} {'peak GB':>8} "
+        print(f"{'attn':8} {'mode':12} {'sampler':7} {'ms/step':>8} {'tok/s':>9} {'prefill':>8} {'outside':>8} {'peak GB':>8} "
               f"{'x HF static':>11} {'/ matmul':>8} {'kernels':>7} {'breaks':>6}")
         for r in wl["engine"]:
             if "error" in r:
                 print(f"{r['attn']:8} {r['mode']:12} {r['sampler']:7} ERROR {r['error'][:80]}")
                 continue
             print(f"{r['attn']:8} {r['mode']:12} {r['sampler']:7} {r['ms_per_step']:8.3f} {r['tok_per_s']:9.0f} "
-                  f"{r['prefill_ms']:8.2f} {r['peak_gb']:8.2f} "
+                  f"{r['prefill_ms']:8.2f} {r['outside_windows_ms']:8.2f} {r['peak_gb']:8.2f} "
                   f"{(r['tok_per_s'] / static) if static else float('nan'):11.2f} "
                   f"{(r['ms_per_step'] / mm) if mm else float('nan'):8.2f} {r['kernels_per_step']:7d} "
                   f"{r.get('graph_breaks', '-'):>6}")

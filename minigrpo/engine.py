@@ -12,8 +12,10 @@ How a rollout runs:
    pages (reference count G); the partial last page is copied into each sample's first private page.
 3. Decode: `decode_step` over a fixed-size bucket of slots, `sync_every` times in a row with no host
    involvement: stop ids and token budgets are tracked by on-device masks.
-4. Sync: the host reads the done mask once, collects finished sequences, returns their pages, and
-   compacts the survivors to the front, so the next steps run at the smallest bucket that holds them.
+4. Sync: the host reads the done mask once, returns finished sequences' pages, and compacts the
+   survivors to the front, so the next steps run at the smallest bucket that holds them. It reads the
+   mask as of the round's next-to-last step while the last step runs, so the GPU never waits on the
+   host; finished rows are gathered on the device and read once, when the rollout ends.
 
 Graph boundaries are configuration, not accident (`EngineConfig`): `compile` "none" runs the step eagerly,
 "step" compiles the whole step with torch.compile(fullgraph=True), which fails loudly instead of breaking
@@ -93,6 +95,8 @@ class SlotState:
         self.out_tok = z(capacity, out_width)                               # (B, W); column W-1 is scratch
         self.out_logp = z(capacity, out_width, dtype=torch.float32)         # (B, W)
         self.stops = torch.full((MAX_STOP_IDS,), -1, dtype=torch.int64, device=device)
+        # Host copy of `done`, pinned so the device-to-host copy can run behind the next step.
+        self.done_host = torch.ones(capacity, dtype=torch.bool, pin_memory=torch.device(device).type == "cuda")
 
     def args(self, B: int) -> tuple:
         """The step's inputs for bucket B (views: the addresses CUDA graphs capture)."""
@@ -261,8 +265,7 @@ class Engine:
         waiting = deque(range(len(prompts)))
         slot_seq: list[int] = []             # host mirror: sequence id of each live slot, in slot order
         seq_pages: dict[int, list[int]] = {}
-        tokens: list[list[int] | None] = [None] * N
-        logprobs: list[list[float] | None] = [None] * N
+        finished_rows = []  # (sequence ids, lengths, tokens, log-probs) per sync, gathered on the device
         while waiting or slot_seq:
             admitted = []
             while waiting and len(slot_seq) + G * (len(admitted) + 1) <= cfg.max_batch \
@@ -278,23 +281,43 @@ class Engine:
             if admitted:
                 self._prefill(admitted, prompts, G, max_new_tokens, params, seeds, seq_pages, slot_seq)
             n = len(slot_seq)
-            # Even if every slot is already done (first tokens were stops) the steps are harmless: done slots
-            # store nothing. Checking first would cost a second host sync per round.
-            self.runner.run(self._bucket(n), params, cfg.sync_every)
-            done = st.done[:n].tolist()                                   # the one host sync per round
+            done = self._run_round(self._bucket(n), n, params)
             finished = [i for i in range(n) if done[i]]
             if finished:
+                # Finished slots no longer change (done slots store nothing), so their rows can be gathered
+                # behind the step still running, and their pages reused by the next prefill (same stream).
                 idx = torch.tensor(finished, device=self.device)
-                lens = st.ctr[idx].tolist()
-                rows_tok, rows_logp = st.out_tok[idx].tolist(), st.out_logp[idx].tolist()
-                for j, i in enumerate(finished):
-                    seq = slot_seq[i]
-                    tokens[seq], logprobs[seq] = rows_tok[j][:lens[j]], rows_logp[j][:lens[j]]
-                    self.kv.release(seq_pages.pop(seq))
+                finished_rows.append(([slot_seq[i] for i in finished], st.ctr[idx], st.out_tok[idx],
+                                      st.out_logp[idx]))
+                for i in finished:
+                    self.kv.release(seq_pages.pop(slot_seq[i]))
                 keep = [i for i in range(n) if not done[i]]
                 st.compact(torch.tensor(keep, dtype=torch.long, device=self.device), n)
                 slot_seq = [slot_seq[i] for i in keep]
+        tokens: list[list[int] | None] = [None] * N
+        logprobs: list[list[float] | None] = [None] * N
+        for seqs, lens, rows_tok, rows_logp in finished_rows:
+            for seq, n_tok, row_tok, row_logp in zip(seqs, lens.tolist(), rows_tok.tolist(), rows_logp.tolist()):
+                tokens[seq], logprobs[seq] = row_tok[:n_tok], row_logp[:n_tok]
         return Rollout(tokens, logprobs)
+
+    def _run_round(self, B: int, n: int, params: SamplingParams) -> list[bool]:
+        """`sync_every` decode steps on bucket B -> the done mask of the first n slots, one step stale.
+
+        The mask is copied after the next-to-last step and read while the last step runs: the GPU never
+        idles on this, the one host sync per round. A slot that finishes in the last step is collected
+        a round later; until then it is a done slot, which stores nothing. Even when every slot is already
+        done (first tokens were stops) the steps are harmless; checking first would cost another sync."""
+        st = self.state
+        self.runner.run(B, params, self.cfg.sync_every - 1)
+        st.done_host[:n].copy_(st.done[:n], non_blocking=True)
+        copied = torch.cuda.Event() if st.done.is_cuda else None
+        if copied is not None:
+            copied.record()
+        self.runner.run(B, params, 1)
+        if copied is not None:
+            copied.synchronize()
+        return st.done_host[:n].tolist()
 
     def _check_request(self, prompts, G, max_new_tokens, stop_ids, seeds) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):

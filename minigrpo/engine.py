@@ -19,8 +19,8 @@ How a rollout runs:
 
 Graph boundaries are configuration, not accident (`EngineConfig`): `compile` "none" runs the step eagerly,
 "step" compiles the whole step with torch.compile(fullgraph=True), which fails loudly instead of breaking
-the graph (and the prefill too, with symbolic shapes); `cuda_graphs` captures the step, compiled or not,
-once per bucket with torch.cuda.CUDAGraph; `sample_in_graph` puts sampling inside or outside those
+the graph; `cuda_graphs` captures the step, compiled or not, once per bucket with torch.cuda.CUDAGraph,
+and the eager prefill once per padded shape; `sample_in_graph` puts sampling inside or outside those
 boundaries.
 
 Shape legend: N sequences in a rollout (prompts x G), B bucket (batch slots), M block-table width, W output width.
@@ -49,9 +49,8 @@ MAX_STOP_IDS = 8
 @dataclass(frozen=True)
 class EngineConfig:
     attn: str = "sdpa"              # decode attention backend: eager | sdpa | triton
-    compile: str = "none"           # none | step (torch.compile(fullgraph=True) over the whole decode step
-                                    #   and, with symbolic shapes, the prefill)
-    cuda_graphs: bool = False       # capture the step per bucket and replay it
+    compile: str = "none"           # none | step (torch.compile(fullgraph=True) over the whole decode step)
+    cuda_graphs: bool = False       # capture the step per bucket, and the prefill per padded shape
     sample_in_graph: bool = True    # sampling + bookkeeping inside the compiled / captured step
     sampler: str = "torch"          # torch (reference) | triton (fused one-pass kernel, plain temperature)
     sync_every: int = 8             # decode steps between host syncs (stop detection, compaction)
@@ -118,14 +117,26 @@ class SlotState:
             getattr(self, n).copy_(t)
 
 
-def compile_like_eager(fn, dynamic: bool):
+def compile_like_eager(fn):
     """torch.compile(fullgraph=True) that rounds as eager does.
 
     emulate_precision_casts: Inductor would otherwise keep a fused kernel's intermediates in fp32 where
     eager rounds each op's output to bf16 (the residual adds before a norm, say). Rounding as eager does
     keeps compile=step on the eager numbers, so a bf16 greedy path does not depend on the mode; the casts
     are free in kernels bound by memory."""
-    return torch.compile(fn, fullgraph=True, dynamic=dynamic, options={"emulate_precision_casts": True})
+    return torch.compile(fn, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
+
+
+PREFILL_ALIGN = 32  # captured prefills: prompt length rounded up to this, group count to a power of two
+
+
+def pad_prefill(ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, rows: int, T: int, scratch: int):
+    """Pad prefill inputs to (rows, T): extra columns and rows are pad tokens (id 0) stored at the scratch
+    slot; extra rows have length 1. Right padding leaves the real rows' results unchanged (causal)."""
+    n, t = ids.shape                                                                # (n, t) -> (rows, T)
+    pad = (0, T - t, 0, rows - n)
+    return (torch.nn.functional.pad(ids, pad), torch.nn.functional.pad(lens, (0, rows - n), value=1),
+            torch.nn.functional.pad(slots, pad, value=scratch))
 
 
 class StepRunner:
@@ -134,14 +145,10 @@ class StepRunner:
 
     def __init__(self, model: DecodeModel, kv: KVCache, state: SlotState, cfg: EngineConfig):
         self.model, self.kv, self.state, self.cfg = model, kv, state, cfg
-        self._compiled_step = compile_like_eager(decode_step, dynamic=False)
-        self._compiled_logits = compile_like_eager(model.decode_logits, dynamic=False)
-        # Eager, the prefill is ~40 small launches per layer, host-bound (~27 ms for 8 GSM8K prompts on an
-        # H200, 8% of a 64-sequence rollout); compiled, a few fused kernels per layer. Prompt lengths and
-        # group counts vary per call, so one graph with symbolic shapes (plus one for a single group).
-        self._prefill = (compile_like_eager(model.prefill, dynamic=True) if cfg.compile == "step"
-                         else model.prefill)
+        self._compiled_step = compile_like_eager(decode_step)
+        self._compiled_logits = compile_like_eager(model.decode_logits)
         self._prepared: dict = {}  # (bucket, params) -> (unit, tail), unit replaying a graph if captured
+        self._prefills: dict = {}  # padded (rows, T) -> (graph, static inputs, box holding its logits)
         self._pool = None          # one memory pool shared by all captured graphs
 
     def _recompile_room(self):
@@ -151,10 +158,32 @@ class StepRunner:
         return torch._dynamo.config.patch(recompile_limit=limit, cache_size_limit=limit) \
             if hasattr(torch._dynamo.config, "recompile_limit") else contextlib.nullcontext()
 
-    def prefill(self, *args) -> torch.Tensor:
-        """DecodeModel.prefill, compiled with compile=step."""
-        with self._recompile_room():
-            return self._prefill(*args)
+    def prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """DecodeModel.prefill into the engine's pages -> last-token logits (groups, V).
+
+        Eagerly, the prefill is ~40 small launches per layer, host-bound: 27 ms for 8 GSM8K prompts on an
+        H200, 8% of a 64-sequence rollout. With cuda_graphs it replays a capture of that same eager code,
+        one per padded shape: one launch, and eager's kernels. (Compiled instead, Inductor's fused norms
+        reduce in another order; on fitted bf16 weights that flipped a first token at a 0.002 logit gap.)"""
+        kv = self.kv
+        if not self.cfg.cuda_graphs:
+            return self.model.prefill(ids, lens, slots, kv.k, kv.v)
+        n, t = ids.shape
+        rows, T = 1 << (n - 1).bit_length(), min(-(-t // PREFILL_ALIGN) * PREFILL_ALIGN, self.cfg.max_seq_len)
+        inputs = pad_prefill(ids, lens, slots, rows, T, SCRATCH_PAGE * kv.page_size)
+        if (rows, T) not in self._prefills:
+            static, box = tuple(x.clone() for x in inputs), {}
+
+            def fn():
+                box["logits"] = self.model.prefill(*static, kv.k, kv.v)
+            graph = capture_graph(fn, self._pool)  # its warm-up runs write the same K/V the replay does
+            self._pool = graph.pool()
+            self._prefills[rows, T] = (graph, static, box)
+        graph, static, box = self._prefills[rows, T]
+        for dst, src in zip(static, inputs):
+            dst.copy_(src)
+        graph.replay()
+        return box["logits"][:n]                                                    # (n, V)
 
     def units(self, B: int, params: SamplingParams):
         """(graphable unit, eager tail or None) for one decode step on slots [0, B); both take no arguments.
@@ -359,8 +388,7 @@ class Engine:
             ids[r, :lens[r]] = torch.tensor(prompts[g])
             t = torch.arange(lens[r])
             slots[r, :lens[r]] = torch.tensor(pages)[t // S] * S + t % S
-        logits = self.runner.prefill(ids.to(dev), torch.tensor(lens, device=dev), slots.to(dev),
-                                    self.kv.k, self.kv.v)                              # (groups, V)
+        logits = self.runner.prefill(ids.to(dev), torch.tensor(lens, device=dev), slots.to(dev))  # (groups, V)
         src, dst = [], []                                # partial prompt page: each sample gets its own copy
         for g, P in zip(groups, lens):
             if P % S:

@@ -326,7 +326,9 @@ class Engine:
         tokens: list[list[int] | None] = [None] * N
         logprobs: list[list[float] | None] = [None] * N
         for seqs, lens, rows_tok, rows_logp in finished_rows:
-            for seq, n_tok, row_tok, row_logp in zip(seqs, lens.tolist(), rows_tok.tolist(), rows_logp.tolist()):
+            lens = lens.tolist()
+            w = max(lens)  # rows are W = max_seq_len + 1 wide; convert only the columns in use
+            for seq, n_tok, row_tok, row_logp in zip(seqs, lens, rows_tok[:, :w].tolist(), rows_logp[:, :w].tolist()):
                 tokens[seq], logprobs[seq] = row_tok[:n_tok], row_logp[:n_tok]
         return Rollout(tokens, logprobs)
 
@@ -400,9 +402,9 @@ class Engine:
         seed = torch.tensor([seeds[s] for s in seq_ids], dtype=torch.int64, device=dev)
         first, first_logp = sample_tokens(logits.repeat_interleave(G, 0), params, seed, torch.zeros_like(seed),
                                           self.cfg.sampler)
-        table = torch.full((len(seq_ids), st.block_table.shape[1]), SCRATCH_PAGE, dtype=torch.int32)
-        for r, s in enumerate(seq_ids):
-            table[r, :len(seq_pages[s])] = torch.tensor(seq_pages[s], dtype=torch.int32)
+        M = st.block_table.shape[1]  # one tensor for all the new rows, not one per sequence (host time)
+        table = torch.tensor([seq_pages[s] + [SCRATCH_PAGE] * (M - len(seq_pages[s])) for s in seq_ids],
+                             dtype=torch.int32)                                      # (rows, M)
         st.tok[rows] = first
         st.pos[rows] = torch.tensor(lens, device=dev).repeat_interleave(G)
         st.ctr[rows] = 1

@@ -12,6 +12,7 @@ Figures are printed and, when $OUT is set, written to $OUT/gpu_checks.jsonl.
 
 import copy
 import json
+import math
 import os
 from pathlib import Path
 
@@ -100,17 +101,21 @@ def hf_greedy(hf, prompt, stop_ids, pad_id, cache=True):
 
 
 @torch.no_grad()
-def divergence_gaps(model32, prompts, a_runs, b_runs):
+def divergence_gaps(model32, prompts, a_runs, b_runs) -> tuple[list[float], list[float]]:
     """For each pair of continuations that differ: the fp32 logit gap between the two tokens chosen at the
-    first divergence. A gap far below bf16's rounding error means the flip is numerics, not a bug."""
-    gaps = []
+    first divergence, and bf16's spacing at those logits (the resolution of a bf16 LM head's output there).
+    A gap far below bf16's rounding error means the flip is numerics, not a bug."""
+    gaps, spacings = [], []
+    device = next(model32.parameters()).device
     for p, a, b in zip(prompts, a_runs, b_runs):
         i = first_divergence(a, b)
         if i is None or i >= min(len(a), len(b)):
             continue
-        logits = model32(torch.tensor([p + a[:i]], device="cuda"))[0, -1].float()
-        gaps.append(round(abs(logits[a[i]] - logits[b[i]]).item(), 4))
-    return gaps
+        logits = model32(torch.tensor([p + a[:i]], device=device))[0, -1].float()
+        pair = logits[[a[i], b[i]]]
+        gaps.append(round((pair[0] - pair[1]).abs().item(), 4))
+        spacings.append(2.0 ** (math.floor(math.log2(pair.abs().max().item())) - 7))  # 8 significant bits
+    return gaps, spacings
 
 
 @torch.no_grad()
@@ -135,7 +140,7 @@ def test_greedy_continuations_match_transformers(setup, models):
             first_divergence_vs_uncached=[first_divergence(a, b) for a, b in zip(mine, uncached)],
             identical_vs_cached_generate=sum(a == b for a, b in zip(mine, cached)),
             first_divergence_vs_cached_generate=[first_divergence(a, b) for a, b in zip(mine, cached)],
-            near_tie_gaps_vs_cached_generate=divergence_gaps(models["ours"][torch.float32], prompts, mine, cached),
+            near_tie_gaps_vs_cached_generate=divergence_gaps(models["ours"][torch.float32], prompts, mine, cached)[0],
             transformers_cached_vs_uncached_identical=sum(a == b for a, b in zip(cached, uncached)))
     figures["distinct_tokens_in_bf16_continuations"] = len({t for c in mine for t in c})
     record("greedy_vs_transformers", of=len(prompts), **figures)
@@ -178,10 +183,10 @@ def engine_vs_reference(setup, models, dtype, attn, comp, graphs):
     out = engine.generate(prompts, 1, NEW, GREEDY, stop_ids=tok.stop_ids).tokens
     assert engine.kv.num_free == engine.kv.capacity
     same = sum(a == b for a, b in zip(out, ref))
-    gaps = divergence_gaps(models["ours"][torch.float32], prompts, out, ref)
+    gaps, spacings = divergence_gaps(models["ours"][torch.float32], prompts, out, ref)
     record("engine_greedy_vs_reference", weights=WEIGHTS or "random", dtype=str(dtype), attn=attn, compile=comp,
            cuda_graphs=graphs, identical=same, of=len(prompts), first_divergence=[first_divergence(a, b) for a, b in zip(out, ref)],
-           near_tie_gaps=gaps)
+           near_tie_gaps=gaps, bf16_spacing_there=spacings)
     return same, gaps
 
 

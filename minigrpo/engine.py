@@ -17,18 +17,14 @@ How a rollout runs:
    mask as of the round's next-to-last step while the last step runs, so the GPU never waits on the
    host; finished rows are gathered on the device and read once, when the rollout ends.
 
-Graph boundaries are configuration, not accident (`EngineConfig`): `compile` "none" runs the step eagerly,
-"step" compiles the whole step with torch.compile(fullgraph=True), which fails loudly instead of breaking
-the graph; `cuda_graphs` captures the step, compiled or not, once per bucket with torch.cuda.CUDAGraph,
-and the eager prefill once per padded shape; `sample_in_graph` puts sampling inside or outside those
-boundaries.
+Graph boundaries are configuration, not accident: `EngineConfig` sets them (`compile`, `cuda_graphs`,
+`sample_in_graph`), and `minigrpo/runner.py` holds every place where they are drawn.
 
 Shape legend: N sequences in a rollout (prompts x G), B bucket (batch slots), M block-table width, W output width.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,14 +33,12 @@ import torch
 
 from minigrpo.attention import BACKENDS
 from minigrpo.config import ModelConfig
-from minigrpo.decode import SAMPLERS, DecodeModel, advance, decode_step, sample_tokens
+from minigrpo.decode import SAMPLERS, DecodeModel, sample_tokens
 from minigrpo.generate import Rollout
 from minigrpo.kv_cache import SCRATCH_PAGE, KVCache, OutOfPages
 from minigrpo.model import Qwen2ForCausalLM
+from minigrpo.runner import MAX_STOP_IDS, SlotState, StepRunner
 from minigrpo.sampling import SamplingParams
-
-MAX_STOP_IDS = 8
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -78,172 +72,6 @@ class EngineConfig:
             return self.buckets
         sizes = [b for b in (8, 16, 32, 64, 128, 256, 512, 1024) if b < self.max_batch]
         return tuple(sizes) + (self.max_batch,)
-
-
-class SlotState:
-    """Per-slot decode state, preallocated at full capacity; a bucket of size B uses rows [0, B)."""
-
-    PER_SLOT = ("tok", "pos", "ctr", "seed", "limit", "done", "block_table", "out_tok", "out_logp")
-
-    def __init__(self, capacity: int, table_width: int, out_width: int, device):
-        def z(*shape, dtype=torch.int64):
-            return torch.zeros(shape, dtype=dtype, device=device)
-        self.tok, self.pos, self.ctr, self.seed, self.limit = (z(capacity) for _ in range(5))  # (B,) each
-        self.done = torch.ones(capacity, dtype=torch.bool, device=device)  # empty slots count as done
-        self.block_table = z(capacity, table_width, dtype=torch.int32)      # (B, M)
-        self.out_tok = z(capacity, out_width)                               # (B, W); column W-1 is scratch
-        self.out_logp = z(capacity, out_width, dtype=torch.float32)         # (B, W)
-        self.stops = torch.full((MAX_STOP_IDS,), -1, dtype=torch.int64, device=device)
-        # Host copy of `done`, pinned so the device-to-host copy can run behind the next step.
-        self.done_host = torch.ones(capacity, dtype=torch.bool, pin_memory=torch.device(device).type == "cuda")
-
-    def args(self, B: int) -> tuple:
-        """The step's inputs for bucket B (views: the addresses CUDA graphs capture)."""
-        return (self.tok[:B], self.pos[:B], self.ctr[:B], self.seed[:B], self.limit[:B], self.done[:B],
-                self.stops, self.block_table[:B], self.out_tok[:B], self.out_logp[:B])
-
-    def compact(self, keep: torch.Tensor, n_before: int) -> None:
-        """Move rows `keep` to the front; rows after them become empty (done) slots."""
-        for name in self.PER_SLOT:
-            t = getattr(self, name)
-            t[:len(keep)] = t[keep]
-        self.done[len(keep):n_before] = True
-
-    def snapshot(self) -> dict:
-        return {n: getattr(self, n).clone() for n in ("tok", "pos", "ctr", "done")}
-
-    def restore(self, saved: dict) -> None:
-        for n, t in saved.items():
-            getattr(self, n).copy_(t)
-
-
-def compile_like_eager(fn):
-    """torch.compile(fullgraph=True) that rounds as eager does.
-
-    emulate_precision_casts: Inductor would otherwise keep a fused kernel's intermediates in fp32 where
-    eager rounds each op's output to bf16 (the residual adds before a norm, say). Rounding as eager does
-    keeps compile=step on the eager numbers, so a bf16 greedy path does not depend on the mode; the casts
-    are free in kernels bound by memory."""
-    return torch.compile(fn, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
-
-
-PREFILL_ALIGN = 32  # captured prefills: prompt length rounded up to this, group count to a power of two
-
-
-def pad_prefill(ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, rows: int, T: int, scratch: int):
-    """Pad prefill inputs to (rows, T): extra columns and rows are pad tokens (id 0) stored at the scratch
-    slot; extra rows have length 1. Right padding leaves the real rows' results unchanged (causal)."""
-    n, t = ids.shape                                                                # (n, t) -> (rows, T)
-    pad = (0, T - t, 0, rows - n)
-    return (torch.nn.functional.pad(ids, pad), torch.nn.functional.pad(lens, (0, rows - n), value=1),
-            torch.nn.functional.pad(slots, pad, value=scratch))
-
-
-class StepRunner:
-    """Turns the decode step into a callable per (bucket, sampling params), and runs the prefill, honouring
-    the graph config."""
-
-    def __init__(self, model: DecodeModel, kv: KVCache, state: SlotState, cfg: EngineConfig):
-        self.model, self.kv, self.state, self.cfg = model, kv, state, cfg
-        self._compiled_step = compile_like_eager(decode_step)
-        self._compiled_logits = compile_like_eager(model.decode_logits)
-        self._prepared: dict = {}  # (bucket, params) -> (unit, tail), unit replaying a graph if captured
-        self._prefills: dict = {}  # padded (rows, T) -> (graph, static inputs, box holding its logits)
-        self._pool = None          # one memory pool shared by all captured graphs
-
-    def _recompile_room(self):
-        # One compiled variant per (bucket, sampling params); make room for all of them rather than let
-        # torch.compile's default recompile limit turn the step silently eager.
-        limit = 4 * len(self.cfg.bucket_sizes()) + 8
-        return torch._dynamo.config.patch(recompile_limit=limit, cache_size_limit=limit) \
-            if hasattr(torch._dynamo.config, "recompile_limit") else contextlib.nullcontext()
-
-    def prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """DecodeModel.prefill into the engine's pages -> last-token logits (groups, V).
-
-        Eagerly, the prefill is ~40 small launches per layer, host-bound: 27 ms for 8 GSM8K prompts on an
-        H200, 8% of a 64-sequence rollout. With cuda_graphs it replays a capture of that same eager code,
-        one per padded shape: one launch, and eager's kernels. (Compiled instead, Inductor's fused norms
-        reduce in another order; on fitted bf16 weights that flipped a first token at a 0.002 logit gap.)"""
-        kv = self.kv
-        if not self.cfg.cuda_graphs:
-            return self.model.prefill(ids, lens, slots, kv.k, kv.v)
-        n, t = ids.shape
-        rows, T = 1 << (n - 1).bit_length(), min(-(-t // PREFILL_ALIGN) * PREFILL_ALIGN, self.cfg.max_seq_len)
-        inputs = pad_prefill(ids, lens, slots, rows, T, SCRATCH_PAGE * kv.page_size)
-        if (rows, T) not in self._prefills:
-            static, box = tuple(x.clone() for x in inputs), {}
-
-            def fn():
-                box["logits"] = self.model.prefill(*static, kv.k, kv.v)
-            graph = capture_graph(fn, self._pool)  # its warm-up runs write the same K/V the replay does
-            self._pool = graph.pool()
-            self._prefills[rows, T] = (graph, static, box)
-        graph, static, box = self._prefills[rows, T]
-        for dst, src in zip(static, inputs):
-            dst.copy_(src)
-        graph.replay()
-        return box["logits"][:n]                                                    # (n, V)
-
-    def units(self, B: int, params: SamplingParams):
-        """(graphable unit, eager tail or None) for one decode step on slots [0, B); both take no arguments.
-
-        With sampling in the graph the unit is the whole step. Without, the unit computes the logits and
-        the tail samples and updates the slot state eagerly."""
-        m, kv, attn = self.model, self.kv, self.cfg.attn
-        args = self.state.args(B)
-        if self.cfg.sample_in_graph:
-            step = self._compiled_step if self.cfg.compile == "step" else decode_step
-            return (lambda: step(m, attn, params, *args, kv.k, kv.v, self.cfg.sampler)), None
-        logits_fn = self._compiled_logits if self.cfg.compile == "step" else m.decode_logits
-        tok, pos, ctr, seed, limit, done, stops, table, out_tok, out_logp = args
-        box = {}  # after capture: the graph's static logits buffer, refreshed by every replay
-
-        def forward():
-            box["logits"] = logits_fn(attn, tok, pos, table, ~done, kv.k, kv.v)
-
-        def tail():
-            advance(box["logits"], params, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp,
-                    self.cfg.sampler)
-        return forward, tail
-
-    def run(self, B: int, params: SamplingParams, n_steps: int) -> None:
-        key = (B, params)
-        with self._recompile_room():
-            if key not in self._prepared:
-                unit, tail = self.units(B, params)
-                if self.cfg.cuda_graphs:
-                    unit = self._capture(unit).replay
-                self._prepared[key] = (unit, tail)
-            unit, tail = self._prepared[key]
-            for _ in range(n_steps):
-                unit()
-                if tail is not None:
-                    tail()
-
-    def _capture(self, unit) -> torch.cuda.CUDAGraph:
-        """Capture one step with every slot marked done, so the warm-up steps store nothing and move no
-        live sequence; the live state is restored after."""
-        saved = self.state.snapshot()
-        self.state.done.fill_(True)
-        graph = capture_graph(unit, self._pool)
-        self._pool = graph.pool()
-        self.state.restore(saved)
-        return graph
-
-
-def capture_graph(fn, pool=None, warmup: int = 2) -> torch.cuda.CUDAGraph:
-    """Run fn a few times on a side stream (compiling, autotuning, allocating), then capture one call."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        fn()
-    return graph
 
 
 class Engine:

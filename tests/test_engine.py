@@ -7,7 +7,8 @@ import torch
 
 from conftest import random_model, tiny_config
 from minigrpo.decode import decode_step
-from minigrpo.engine import Engine, EngineConfig, pad_prefill
+from minigrpo.engine import Engine, EngineConfig
+from minigrpo.runner import pad_prefill
 from minigrpo.generate import generate
 from minigrpo.kv_cache import OutOfPages
 from minigrpo.sampling import GREEDY, SamplingParams

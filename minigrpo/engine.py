@@ -40,6 +40,7 @@ from minigrpo.model import Qwen2ForCausalLM
 from minigrpo.runner import MAX_STOP_IDS, SlotState, StepRunner
 from minigrpo.sampling import SamplingParams
 
+
 @dataclass(frozen=True)
 class EngineConfig:
     attn: str = "sdpa"              # decode attention backend: eager | sdpa | triton

@@ -6,8 +6,9 @@ static cache) on the same weights and prompts, and the floors, all in one run.
     python bench/decode.py --report                          # graphs, graph breaks, kernel launches only
 
 Timing: CUDA events around each run of decode steps, median per step; tokens/s over the whole generate
-call (prefill and host syncs included), the median of --repeats rollouts, and the same for each peer. Stop ids are ignored, so every sequence decodes exactly
-`--new` tokens, as in the peer measurement. Floors, measured in the same run:
+call (prefill and host syncs included), the median of --repeats rollouts, and the same for each peer.
+Stop ids are ignored, so every sequence decodes exactly `--new` tokens, as in the peer measurement.
+Floors, measured in the same run:
   bandwidth floor  (weight bytes + KV bytes read per step) / measured copy bandwidth
   matmul floor     the step's own GEMM chain (24 x qkv, o_proj, gate_up, down, residual adds, SiLU, then the
                    LM head) captured alone in one CUDA graph
@@ -334,8 +335,8 @@ def print_table(result):
         print(f"\n{wl['workload']} ({wl['sequences']} seqs x {wl['new']} new); floors: bandwidth "
               f"{wl.get('bandwidth_floor_ms', float('nan')):.3f} ms, matmul chain {mm or float('nan'):.3f} ms "
               f"(cuBLAS eager {wl.get('matmul_floor_cublas_ms', float('nan')):.3f})")
-        print(f"{'attn':8} {'mode':12} {'sampler':7} {'ms/step':>8} {'tok/s':>9} {'prefill':>8} {'outside':>8} {'peak GB':>8} "
-              f"{'x HF static':>11} {'/ matmul':>8} {'kernels':>7} {'breaks':>6}")
+        print(f"{'attn':8} {'mode':12} {'sampler':7} {'ms/step':>8} {'tok/s':>9} {'prefill':>8} {'outside':>8} "
+              f"{'peak GB':>8} {'x HF static':>11} {'/ matmul':>8} {'kernels':>7} {'breaks':>6}")
         for r in wl["engine"]:
             if "error" in r:
                 print(f"{r['attn']:8} {r['mode']:12} {r['sampler']:7} ERROR {r['error'][:80]}")

@@ -185,7 +185,8 @@ def engine_vs_reference(setup, models, dtype, attn, comp, graphs):
     same = sum(a == b for a, b in zip(out, ref))
     gaps, spacings = divergence_gaps(models["ours"][torch.float32], prompts, out, ref)
     record("engine_greedy_vs_reference", weights=WEIGHTS or "random", dtype=str(dtype), attn=attn, compile=comp,
-           cuda_graphs=graphs, identical=same, of=len(prompts), first_divergence=[first_divergence(a, b) for a, b in zip(out, ref)],
+           cuda_graphs=graphs, identical=same, of=len(prompts),
+           first_divergence=[first_divergence(a, b) for a, b in zip(out, ref)],
            near_tie_gaps=gaps, bf16_spacing_there=spacings)
     return same, gaps
 

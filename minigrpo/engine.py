@@ -87,6 +87,8 @@ class Engine:
         table_width = math.ceil(cfg.max_seq_len / cfg.page_size)
         self.state = SlotState(cfg.max_batch, table_width, cfg.max_seq_len + 1, device)
         self.runner = StepRunner(self.model, self.kv, self.state, cfg)
+        # marks the done mask's copy to the host each round (on the CPU the copy is synchronous)
+        self._done_copied = torch.cuda.Event() if device.type == "cuda" else None
 
     @staticmethod
     def _kv_pages(mcfg: ModelConfig, cfg: EngineConfig, dtype, device) -> int:
@@ -171,12 +173,11 @@ class Engine:
         st = self.state
         self.runner.run(B, params, self.cfg.sync_every - 1)
         st.done_host[:n].copy_(st.done[:n], non_blocking=True)
-        copied = torch.cuda.Event() if st.done.is_cuda else None
-        if copied is not None:
-            copied.record()
+        if self._done_copied is not None:
+            self._done_copied.record()
         self.runner.run(B, params, 1)
-        if copied is not None:
-            copied.synchronize()
+        if self._done_copied is not None:
+            self._done_copied.synchronize()
         return st.done_host[:n].tolist()
 
     def _check_request(self, prompts, G, max_new_tokens, stop_ids, seeds) -> None:

@@ -11,6 +11,16 @@ prediction on the GSM8K train solutions (chat-formatted as the rollout prompts a
 gives the random model that kind of confidence. It learns the format, not arithmetic: speed and
 correctness checks only need it to be peaked, not right.
 
+On unseen questions that is not enough. After 800 steps 3 to 5% of its greedy steps on the first 8 test
+questions still have a top-two gap under 0.1, about bf16's rounding of a logit near 20, and each such
+step may flip between two correct kernel sets: in four of five fits (bench/NOTES.md) at least one of the
+12 engine modes matched the bf16 reference on only 6 of the 8 prompts, where 7 are asked. So by default
+the solutions of the questions the GPU checks run on (the first `--memorize` test questions, the prompts
+of tests/test_gpu.py) join every batch, one per batch in turn. The fixture learns those by heart, like a
+trained model on text it knows well, and its greedy path there has margins far above bf16 rounding.
+Logic bugs still show: a wrong page or position moves logits by whole units, not by rounding.
+`--memorize 0` fits the train split alone.
+
 Plain next-token cross-entropy over the whole chat, bf16 autocast over fp32 weights, AdamW with a
 linear warm-up and cosine decay over a fixed number of steps (a wall-clock cap stops it early). Right
 padding needs no attention mask: a causal position never sees the pads after it. Writes an HF model
@@ -37,10 +47,11 @@ from minigrpo.tokenizer import Tokenizer  # noqa: E402
 IGNORE = -100  # F.cross_entropy's ignore_index: the pads
 
 
-def chats(tok: Tokenizer, train_jsonl: Path, max_len: int) -> list[list[int]]:
-    """Each train example as the rollout prompt followed by its reference solution and the stop token."""
+def chats(tok: Tokenizer, jsonl: Path, max_len: int, limit: int | None = None) -> list[list[int]]:
+    """Each example (the first `limit`) as the rollout prompt followed by its reference solution and the
+    stop token."""
     out = []
-    for e in load_jsonl(train_jsonl):
+    for e in load_jsonl(jsonl)[:limit]:
         ids = tok.encode_chat(build_messages(e.question) + [{"role": "assistant", "content": e.answer_text}],
                               add_generation_prompt=False)
         out.append(ids[:max_len])
@@ -59,8 +70,9 @@ def batch(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, tor
 
 
 def fit(model, seqs: list[list[int]], pad_id: int, *, seconds: float, steps: int, batch_size: int, lr: float,
-        warmup: int, seed: int, log_every: int = 25) -> list[tuple[int, float]]:
+        warmup: int, seed: int, memorize: list[list[int]] = (), log_every: int = 25) -> list[tuple[int, float]]:
     """Train for `steps` steps or until `seconds` have passed, whichever comes first (at least one step).
+    Each batch holds batch_size random `seqs` plus, when `memorize` is given, the next of those in turn.
     Returns (step, loss) every log_every steps and at the last one.
 
     The cosine spans `steps`, so the schedule is fixed in advance rather than a function of measured speed;
@@ -75,8 +87,10 @@ def fit(model, seqs: list[list[int]], pad_id: int, *, seconds: float, steps: int
         scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for group in opt.param_groups:
             group["lr"] = lr * max(scale, 0.1)
-        pick = torch.randint(len(seqs), (batch_size,), generator=gen).tolist()
-        ids, tgt = batch([seqs[i] for i in pick], pad_id, device)                  # (B, T)
+        pick = [seqs[i] for i in torch.randint(len(seqs), (batch_size,), generator=gen).tolist()]
+        if memorize:
+            pick.append(memorize[step % len(memorize)])
+        ids, tgt = batch(pick, pad_id, device)                                      # (B, T)
         with autocast:
             logits = model(ids)                                                     # (B, T, V)
         loss = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=IGNORE)
@@ -103,24 +117,34 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--max-len", type=int, default=512, help="tokens kept per example")
+    p.add_argument("--memorize", type=int, default=8,
+                   help="the first N test questions, whose solutions join every batch (the GPU checks' prompts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "max_len", "seconds", "lr"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.memorize < 0:
+        p.error(f"--memorize must be >= 0 (0: the train split alone), got {args.memorize}")
     qwen = args.data / "qwen2.5-0.5b-instruct"
-    for need in (qwen / "config.json", args.data / "gsm8k" / "train.jsonl"):
+    needs = [qwen / "config.json", args.data / "gsm8k" / "train.jsonl"]
+    if args.memorize:
+        needs.append(args.data / "gsm8k" / "test.jsonl")
+    for need in needs:
         if not need.is_file():
             raise SystemExit(f"error: {need} not found; --data must hold qwen2.5-0.5b-instruct/ and gsm8k/")
     tok = Tokenizer.from_dir(qwen)
     seqs = chats(tok, args.data / "gsm8k" / "train.jsonl", args.max_len)
+    memorize = []  # the GPU checks' questions, learnt by heart (module docstring)
+    if args.memorize:
+        memorize = chats(tok, args.data / "gsm8k" / "test.jsonl", args.max_len, limit=args.memorize)
     model = random_qwen(device=args.device, dtype=torch.float32, seed=args.seed, config_dir=qwen)
     losses = fit(model, seqs, tok.pad_id, seconds=args.seconds, steps=args.steps, batch_size=args.batch_size,
-                 lr=args.lr, warmup=min(50, args.steps // 10 + 1), seed=args.seed)
+                 lr=args.lr, warmup=min(50, args.steps // 10 + 1), seed=args.seed, memorize=memorize)
     save_model(model, args.out, tokenizer_dir=qwen, dtype=torch.bfloat16)
-    print(f"fitted {len(seqs)} GSM8K solutions for {losses[-1][0]} steps: loss {losses[0][1]:.3f} -> "
-          f"{losses[-1][1]:.3f}; wrote {args.out}")
+    print(f"fitted {len(seqs)} GSM8K solutions (and memorised {len(memorize)} test ones) for {losses[-1][0]} "
+          f"steps: loss {losses[0][1]:.3f} -> {losses[-1][1]:.3f}; wrote {args.out}")
 
 
 if __name__ == "__main__":

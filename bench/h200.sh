@@ -16,8 +16,9 @@ case "${1:-}" in
   checks)      # correctness on the GPU: kernels in bf16, logits / greedy vs transformers, engine modes
     python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 tests/test_kernels.py tests/test_gpu.py \
       2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[|passed|failed|FAILED|Error" ;;
-  fitted)      # the same checks on confident weights: the random 0.5B fitted to GSM8K solutions (~3 min,
-               # bench/fit_gsm8k.py says why), where bf16 greedy parity is a meaningful test
+  fitted)      # the same checks on confident weights: the random 0.5B fitted to GSM8K solutions, those of
+               # the checked prompts learnt by heart (~3 min; bench/fit_gsm8k.py says why), where bf16
+               # greedy parity is a meaningful test
     [ -d /tmp/fit05b ] || python3 bench/fit_gsm8k.py --data "$DATA" --out /tmp/fit05b 2>&1 | tee "$OUT/fit.log" | tail -6
     SEL=("${@:2}"); [ ${#SEL[@]} -gt 0 ] || SEL=(tests/test_gpu.py)  # pytest node ids / flags, in order
     MINIGRPO_GPU_WEIGHTS=/tmp/fit05b python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 "${SEL[@]}" \

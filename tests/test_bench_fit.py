@@ -1,5 +1,6 @@
 """bench/fit_gsm8k.py, the stand-in for trained weights the GPU parity checks run on: the chat it fits
-ends with the reference solution and the stop token, and a few steps lower the loss."""
+ends with the reference solution and the stop token, a few steps lower the loss, and the sequences to
+memorise are learnt."""
 
 import pytest
 import torch
@@ -34,7 +35,24 @@ def test_fit_lowers_the_loss():
     assert losses[-1][1] < 0.7 * losses[0][1], losses
 
 
+def test_memorised_sequences_are_learnt_by_heart():
+    """A random sequence that joins every batch is learnt; the same fit without it leaves it unknown."""
+    gen = torch.Generator().manual_seed(0)
+    noise = [torch.randint(1, 64, (12,), generator=gen).tolist() for _ in range(64)]  # nothing to learn
+    target = torch.randint(1, 64, (24,), generator=gen).tolist()
+    losses = {}
+    for memorize in ([], [target]):
+        model = random_model(tiny_config(vocab=64))
+        fit(model, noise, pad_id=0, seconds=60, steps=60, batch_size=4, lr=1e-2, warmup=4, seed=0,
+            memorize=memorize, log_every=1000)
+        ids, tgt = batch([target], pad_id=0, device="cpu")
+        with torch.no_grad():
+            losses[len(memorize)] = torch.nn.functional.cross_entropy(model(ids)[0], tgt[0]).item()
+    assert losses[1] < 0.3 * losses[0], losses
+
+
 @pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps must be positive"),
+                                           (["--memorize", "-1"], "--memorize must be >= 0"),
                                            ([], "config.json not found")])
 def test_bad_settings_are_named(tmp_path, capsys, args, message):
     from bench.fit_gsm8k import main

@@ -22,7 +22,7 @@ import torch
 from bench.workload import gsm8k_prompts, qwen_dir, random_qwen
 from minigrpo.checkpoint import load_model, save_model  # noqa: E402
 from minigrpo.engine import Engine, EngineConfig  # noqa: E402
-from minigrpo.generate import generate  # noqa: E402
+from minigrpo.generate import Rollout, generate  # noqa: E402
 from minigrpo.sampling import GREEDY  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -166,28 +166,51 @@ def top2_gaps(model32, prompts, runs) -> torch.Tensor:
     return torch.cat(gaps)
 
 
+@torch.no_grad()
+def logprob_errors(model32, prompts, run, ref_tokens) -> dict:
+    """How far a run's numerics are from exact, token by token: |its log-prob - the fp32 model's| for each
+    token of the prefix it shares with the reference (teacher-forced, so both score the same context).
+    The same figure for the reference itself says whether the engine is any less exact than it."""
+    errs, device = [], next(model32.parameters()).device
+    for p, c, logp, ref in zip(prompts, run.tokens, run.logprobs, ref_tokens):
+        n = first_divergence(c, ref)
+        n = len(c) if n is None else n
+        if n == 0:
+            continue
+        logits = model32(torch.tensor([p + c[:n]], device=device))[0, len(p) - 1:len(p) + n - 1]  # (n, V)
+        exact = logits.float().log_softmax(-1).gather(-1, torch.tensor(c[:n], device=device)[:, None])[:, 0]
+        errs.append((torch.tensor(logp[:n], device=device) - exact).abs())                    # (n,)
+    if not errs:  # every run parted from the reference at its first token
+        return dict(tokens=0)
+    errs = torch.cat(errs)
+    return dict(median=round(errs.median().item(), 5), max=round(errs.max().item(), 5), tokens=errs.numel())
+
+
 def engine_vs_reference(setup, models, dtype, attn, comp, graphs):
     tok, prompts = setup
-    ours = models["ours"][dtype]
+    ours, ours32 = models["ours"][dtype], models["ours"][torch.float32]
     if dtype not in REFERENCE:
-        REFERENCE[dtype] = [generate(ours, [p], NEW, stop_ids=tok.stop_ids, pad_id=tok.pad_id).tokens[0]
-                            for p in prompts]
-        gaps = top2_gaps(models["ours"][torch.float32], prompts, REFERENCE[dtype])
+        runs = [generate(ours, [p], NEW, stop_ids=tok.stop_ids, pad_id=tok.pad_id) for p in prompts]
+        REFERENCE[dtype] = Rollout([r.tokens[0] for r in runs], [r.logprobs[0] for r in runs])
+        gaps = top2_gaps(ours32, prompts, REFERENCE[dtype].tokens)
         record("reference_confidence", weights=WEIGHTS or "random", dtype=str(dtype), steps=gaps.numel(),
                median_top2_gap=round(gaps.median().item(), 4),
-               steps_under_near_tie=int((gaps < NEAR_TIE).sum()), steps_under_0_01=int((gaps < 0.01).sum()))
-    ref = REFERENCE[dtype]
+               steps_under_near_tie=int((gaps < NEAR_TIE).sum()), steps_under_0_01=int((gaps < 0.01).sum()),
+               logprob_err_vs_fp32=logprob_errors(ours32, prompts, REFERENCE[dtype], REFERENCE[dtype].tokens))
+    ref = REFERENCE[dtype].tokens
     engine = Engine(ours.config, EngineConfig(attn=attn, compile=comp, cuda_graphs=graphs, max_batch=8,
                                               max_seq_len=512, kv_pages=512), device="cuda", dtype=dtype)
     engine.load_weights(ours)
-    out = engine.generate(prompts, 1, NEW, GREEDY, stop_ids=tok.stop_ids).tokens
+    run = engine.generate(prompts, 1, NEW, GREEDY, stop_ids=tok.stop_ids)
+    out = run.tokens
     assert engine.kv.num_free == engine.kv.capacity
     same = sum(a == b for a, b in zip(out, ref))
-    gaps, spacings = divergence_gaps(models["ours"][torch.float32], prompts, out, ref)
+    gaps, spacings = divergence_gaps(ours32, prompts, out, ref)
     record("engine_greedy_vs_reference", weights=WEIGHTS or "random", dtype=str(dtype), attn=attn, compile=comp,
            cuda_graphs=graphs, identical=same, of=len(prompts),
            first_divergence=[first_divergence(a, b) for a, b in zip(out, ref)],
-           near_tie_gaps=gaps, bf16_spacing_there=spacings)
+           near_tie_gaps=gaps, bf16_spacing_there=spacings,
+           logprob_err_vs_fp32=logprob_errors(ours32, prompts, run, ref))
     return same, gaps
 
 

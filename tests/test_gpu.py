@@ -191,13 +191,15 @@ def engine_vs_reference(setup, models, dtype, attn, comp, graphs):
     ours, ours32 = models["ours"][dtype], models["ours"][torch.float32]
     if dtype not in REFERENCE:
         runs = [generate(ours, [p], NEW, stop_ids=tok.stop_ids, pad_id=tok.pad_id) for p in prompts]
-        REFERENCE[dtype] = Rollout([r.tokens[0] for r in runs], [r.logprobs[0] for r in runs])
-        gaps = top2_gaps(ours32, prompts, REFERENCE[dtype].tokens)
+        reference = Rollout([r.tokens[0] for r in runs], [r.logprobs[0] for r in runs])
+        REFERENCE[dtype] = reference, logprob_errors(ours32, prompts, reference, reference.tokens)
+        gaps = top2_gaps(ours32, prompts, reference.tokens)
         record("reference_confidence", weights=WEIGHTS or "random", dtype=str(dtype), steps=gaps.numel(),
                median_top2_gap=round(gaps.median().item(), 4),
                steps_under_near_tie=int((gaps < NEAR_TIE).sum()), steps_under_0_01=int((gaps < 0.01).sum()),
-               logprob_err_vs_fp32=logprob_errors(ours32, prompts, REFERENCE[dtype], REFERENCE[dtype].tokens))
-    ref = REFERENCE[dtype].tokens
+               logprob_err_vs_fp32=REFERENCE[dtype][1])
+    reference, ref_err = REFERENCE[dtype]
+    ref = reference.tokens
     engine = Engine(ours.config, EngineConfig(attn=attn, compile=comp, cuda_graphs=graphs, max_batch=8,
                                               max_seq_len=512, kv_pages=512), device="cuda", dtype=dtype)
     engine.load_weights(ours)
@@ -206,18 +208,18 @@ def engine_vs_reference(setup, models, dtype, attn, comp, graphs):
     assert engine.kv.num_free == engine.kv.capacity
     same = sum(a == b for a, b in zip(out, ref))
     gaps, spacings = divergence_gaps(ours32, prompts, out, ref)
+    err = logprob_errors(ours32, prompts, run, ref)
     record("engine_greedy_vs_reference", weights=WEIGHTS or "random", dtype=str(dtype), attn=attn, compile=comp,
            cuda_graphs=graphs, identical=same, of=len(prompts),
            first_divergence=[first_divergence(a, b) for a, b in zip(out, ref)],
-           near_tie_gaps=gaps, bf16_spacing_there=spacings,
-           logprob_err_vs_fp32=logprob_errors(ours32, prompts, run, ref))
-    return same, gaps
+           near_tie_gaps=gaps, bf16_spacing_there=spacings, logprob_err_vs_fp32=err)
+    return same, gaps, err, ref_err
 
 
 @pytest.mark.parametrize("attn, comp, graphs", MODES, ids=[f"{a}-{c}-{'graphs' if g else 'nographs'}" for a, c, g in MODES])
 @torch.no_grad()
 def test_engine_greedy_matches_reference_fp32(setup, models, attn, comp, graphs):
-    same, _ = engine_vs_reference(setup, models, torch.float32, attn, comp, graphs)
+    same, *_ = engine_vs_reference(setup, models, torch.float32, attn, comp, graphs)
     assert same >= 7
 
 
@@ -225,12 +227,17 @@ def test_engine_greedy_matches_reference_fp32(setup, models, attn, comp, graphs)
 @torch.no_grad()
 def test_engine_greedy_bf16(setup, models, attn, comp, graphs):
     """Confident (fitted) weights: the same tokens for at least 7 of 8 prompts. Random weights: wherever
-    the two part ways, it is at a near tie, the only check their near-uniform logits allow."""
-    same, gaps = engine_vs_reference(setup, models, torch.bfloat16, attn, comp, graphs)
+    the two part ways, it is at a near tie, the only check their near-uniform logits allow.
+
+    Either way the engine's bf16 log-probs must be about as close to fp32 as the reference's own: a median
+    error within 2x of the reference's (+1e-3 for the near-zero errors of confident tokens). Measured on
+    the H200 (session 7): engine 0.0073 against 0.0075 on random weights; 6e-5 for both when fitted."""
+    same, gaps, err, ref_err = engine_vs_reference(setup, models, torch.bfloat16, attn, comp, graphs)
     if WEIGHTS:
         assert same >= 7
     else:
         assert all(g < NEAR_TIE for g in gaps)
+    assert err["tokens"] > 0 and err["median"] <= 2 * ref_err["median"] + 1e-3, (err, ref_err)
 
 
 @torch.no_grad()

@@ -70,7 +70,8 @@ def batch(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, tor
 
 
 def fit(model, seqs: list[list[int]], pad_id: int, *, seconds: float, steps: int, batch_size: int, lr: float,
-        warmup: int, seed: int, memorize: list[list[int]] = (), log_every: int = 25) -> list[tuple[int, float]]:
+        warmup: int, seed: int, memorize: list[list[int]] | None = None, log_every: int = 25
+        ) -> list[tuple[int, float]]:
     """Train for `steps` steps or until `seconds` have passed, whichever comes first (at least one step).
     Each batch holds batch_size random `seqs` plus, when `memorize` is given, the next of those in turn.
     Returns (step, loss) every log_every steps and at the last one.

@@ -192,12 +192,13 @@ def engine_vs_reference(setup, models, dtype, attn, comp, graphs):
     if dtype not in REFERENCE:
         runs = [generate(ours, [p], NEW, stop_ids=tok.stop_ids, pad_id=tok.pad_id) for p in prompts]
         reference = Rollout([r.tokens[0] for r in runs], [r.logprobs[0] for r in runs])
-        REFERENCE[dtype] = reference, logprob_errors(ours32, prompts, reference, reference.tokens)
+        ref_err = logprob_errors(ours32, prompts, reference, reference.tokens)
+        REFERENCE[dtype] = reference, ref_err
         gaps = top2_gaps(ours32, prompts, reference.tokens)
         record("reference_confidence", weights=WEIGHTS or "random", dtype=str(dtype), steps=gaps.numel(),
                median_top2_gap=round(gaps.median().item(), 4),
                steps_under_near_tie=int((gaps < NEAR_TIE).sum()), steps_under_0_01=int((gaps < 0.01).sum()),
-               logprob_err_vs_fp32=REFERENCE[dtype][1])
+               logprob_err_vs_fp32=ref_err)
     reference, ref_err = REFERENCE[dtype]
     ref = reference.tokens
     engine = Engine(ours.config, EngineConfig(attn=attn, compile=comp, cuda_graphs=graphs, max_batch=8,

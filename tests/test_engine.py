@@ -8,9 +8,9 @@ import torch
 from conftest import random_model, tiny_config
 from minigrpo.decode import decode_step
 from minigrpo.engine import Engine, EngineConfig
-from minigrpo.runner import pad_prefill
 from minigrpo.generate import generate
 from minigrpo.kv_cache import OutOfPages
+from minigrpo.runner import pad_prefill
 from minigrpo.sampling import GREEDY, SamplingParams
 
 CFG = tiny_config(tied=False, head_dim=16)  # the Triton kernel needs head_dim >= 16
@@ -156,13 +156,13 @@ def test_padded_prefill_equals_unpadded(model):
     ids = torch.randint(0, 256, (groups, T), generator=g)
     lens = torch.tensor([11, 4, 7])
     slots = torch.arange(groups * T).view(groups, T) + e.cfg.page_size  # page 0 is scratch
+    padded = pad_prefill(ids, lens, slots, rows=4, T=16, scratch=0)
     outs = []
-    for args in ((ids, lens, slots), pad_prefill(ids, lens, slots, rows=4, T=16, scratch=0)):
+    for args in ((ids, lens, slots), padded):
         for pool in (*e.kv.k, *e.kv.v):
             pool.zero_()
         logits = e.model.prefill(*args, e.kv.k, e.kv.v)[:groups]
         outs.append((logits, e.kv.k[1][1:].clone(), e.kv.v[1][1:].clone()))  # every page but scratch
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # fp32: a taller GEMM may block differently
-    padded = pad_prefill(ids, lens, slots, rows=4, T=16, scratch=0)
     assert [tuple(x.shape) for x in padded] == [(4, 16), (4,), (4, 16)] and padded[1].tolist() == [11, 4, 7, 1]

@@ -98,7 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="k3 KL penalty weight to the initial policy (Dr. GRPO: 0, no reference model kept)")
     g.add_argument("--temperature", type=float, default=D.temperature, help="sampling temperature (also used "
                    "for the training log-probs)")
-    g.add_argument("--top-p", type=float, default=D.top_p, help="nucleus sampling threshold (1 = off)")
+    g.add_argument("--top-p", type=float, default=D.top_p, help="nucleus sampling threshold; only 1 (off) trains "
+                   "without bias: the trainer scores the full distribution")
+    g.add_argument("--tis-cap", type=float, default=D.tis_cap,
+                   help="truncated importance sampling: weight each token's loss by min(pi_old / pi_rollout, CAP), "
+                        "correcting for the rollout engine's own (bf16) distribution")
+    g.add_argument("--no-tis", dest="tis", action="store_false",
+                   help="no importance-sampling correction (the mismatch is still logged)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, default=D.lr, help="AdamW peak learning rate")
     g.add_argument("--betas", type=float, nargs=2, default=D.betas, metavar=("B1", "B2"), help="AdamW betas")
@@ -153,7 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             micro_batch_size=args.micro_batch_size, score_batch_size=args.score_batch_size, lr=args.lr, betas=tuple(args.betas),
             weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps,
             lr_schedule=args.lr_schedule, min_lr_ratio=args.min_lr_ratio, eps=args.eps, eps_high=args.eps_high,
-            kl_beta=args.beta, temperature=args.temperature, top_p=args.top_p, steps=args.steps,
+            kl_beta=args.beta, temperature=args.temperature, top_p=args.top_p, tis=args.tis, tis_cap=args.tis_cap,
+            steps=args.steps,
             eval_every=args.eval_every, eval_limit=args.eval_limit, eval_batch_size=args.eval_batch_size,
             eval_max_new_tokens=args.eval_max_new_tokens, save_every=args.save_every,
             keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,

@@ -81,6 +81,30 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (TIS) weights min(pi_old / pi_rollout, cap). (N, C) -> (N, C), no grad.
+
+    The rollout engine samples in bf16 with its own kernels, so the tokens come from pi_rollout, not from
+    the trainer's pi_old that the PPO ratio divides by. Weighting each token's policy-gradient term by
+    pi_old / pi_rollout makes the estimate on-policy for pi_old again (Yao et al. 2025, "Your Efficient RL
+    Framework Secretly Brings You Off-Policy RL Training"); the cap bounds the variance that a token the
+    engine found unlikely would add, at the price of a small bias."""
+    return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()
+
+
+def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                   cap: float) -> dict[str, torch.Tensor]:
+    """Token sums (0-d tensors) that measure the rollout/trainer mismatch on the sampled tokens:
+    |log-prob difference|, its k3 KL(pi_rollout || pi_old) (r - 1 - log r with r = pi_old / pi_rollout,
+    unbiased and >= 0 under the rollout's samples), the TIS weight and the tokens it caps; plus the maxima
+    of the difference and of the uncapped ratio. Sums, so that callers can add them over ranks."""
+    log_r = (old_logp - rollout_logp).detach() * mask                                # (N, C)
+    ratio = torch.exp(log_r)                                                         # (N, C); 1 off the mask
+    return {"logp_diff_sum": log_r.abs().sum(), "mismatch_kl_sum": ((ratio - 1 - log_r) * mask).sum(),
+            "tis_weight_sum": (ratio.clamp(max=cap) * mask).sum(), "tis_capped": ((ratio > cap) * mask).sum(),
+            "logp_diff_max": log_r.abs().max(), "tis_ratio_max": (ratio * mask).max()}
+
+
 def dr_grpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -93,6 +117,7 @@ def dr_grpo_loss(
     beta: float = 0.0,
     max_new_tokens: int,
     num_sequences: int | None = None,
+    is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss with the Dr. GRPO constant normaliser.
 
@@ -107,6 +132,8 @@ def dr_grpo_loss(
     num_sequences: defaults to N. When this call sees only part of the batch (gradient-accumulation
       micro-batch, or zero-advantage groups dropped via nonzero_groups), pass the full batch's N so
       the pieces sum to exactly the full-batch loss and gradient.
+    is_weight: (N, C) per-token weight of the policy-gradient term, not of the KL term: the truncated
+      importance-sampling correction for the rollout engine's own distribution (truncated_is_weights).
 
     Returns (loss, stats) with 0-d detached tensors in stats (no host sync):
       clip_frac  -- fraction of masked tokens where clipping was active (ratio outside the range on the
@@ -115,7 +142,7 @@ def dr_grpo_loss(
       ratio_mean -- mean importance ratio over masked tokens.
     """
     N, C = logp.shape
-    for name, t in (("logp", logp), ("old_logp", old_logp), ("ref_logp", ref_logp)):
+    for name, t in (("logp", logp), ("old_logp", old_logp), ("ref_logp", ref_logp), ("is_weight", is_weight)):
         if t is not None and (t.shape != (N, C) or t.dtype != torch.float32):
             raise ValueError(f"{name} must be fp32 of shape {(N, C)}, got {t.dtype} {tuple(t.shape)}")
     if adv.shape != (N,):
@@ -140,6 +167,8 @@ def dr_grpo_loss(
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * A  # (N, C)
     # Pessimistic bound: where clipping binds, min() picks the constant-in-logp branch -> zero gradient.
     per_token = -torch.minimum(unclipped, clipped)  # (N, C)
+    if is_weight is not None:
+        per_token = per_token * is_weight
 
     kl = None
     if ref_logp is not None:

@@ -6,15 +6,16 @@ jsonl is the source of truth: append-only, flushed every step, trivially loaded 
 records past the resumed step (written by the interrupted run after its last checkpoint) are dropped,
 so the file reads as one uninterrupted run.
 
-Step record keys (rollout statistics are over all B*G completions; entropy and logp_diff only over the
-rows that were trained on, since zero-advantage groups get no forward pass):
+Step record keys (rollout statistics are over all B*G completions; entropy and the mismatch keys only over
+the rows that were trained on, since with kl_beta = 0 zero-advantage groups get no forward pass):
   reward_mean/std, accuracy (exactly correct), zero_spread_frac (rows in groups with all-equal rewards),
   completion_len_mean/max, truncated_frac (no stop token within max_new_tokens), trained_rows,
   loss (per optimizer step, mean), clip_frac (tokens where the PPO clip bound), kl (k3 to the reference;
   only with kl_beta > 0), entropy (per token, at the sampling temperature), grad_norm (pre-clip, mean over
   optimizer steps), logp_diff_mean/max (|rollout engine log-prob - trainer log-prob| of the sampled tokens:
-  numerical mismatch between engine and trainer; with top_p < 1 it also holds the truncation of the
-  sampling distribution), lr, time_{rollout,reward,logprobs,update,sync,step} (seconds),
+  numerical mismatch between engine and trainer), mismatch_kl (k3 KL(rollout || trainer) on those tokens),
+  tis_weight_mean (the truncated importance weight as applied), tis_ratio_max (before the cap),
+  tis_capped_frac (tokens whose weight the cap bound), lr, time_{rollout,reward,logprobs,update,sync,step} (seconds),
   rollout_tokens_per_s and tokens_per_s (completion tokens / rollout time, / step time), peak_mem_gb
   (CUDA; 0 on CPU), skipped_update (only when no group had any reward spread), eval_* (evaluation steps).
 """

@@ -35,10 +35,12 @@ def round_stochastic(x: torch.Tensor, seed: torch.Tensor, offset: int = 0) -> to
     bf16 is the top 16 bits of fp32. Adding uniform noise in [0, 2^16) to the low 16 bits and then
     truncating them rounds the magnitude up with probability (low bits) / 2^16. The bit pattern is
     sign-magnitude, so this works the same for negative numbers. The noise of element i is a hash of
-    (seed, offset + i): seed is an int64 tensor in [0, 2^31), offset + x.numel() <= 2^31."""
+    (seed, offset + i), seed an int64 tensor in [0, 2^31). The hash takes 31 bits at a time: the index's
+    low 31 bits, then its high bits. So the noise never repeats with a period: element i and element
+    i + 2^31 are as unrelated as any two (a wrap of the index would round them alike at every step)."""
     assert x.dtype == torch.float32 and x.is_contiguous(), (x.dtype, x.stride())
     idx = torch.arange(offset, offset + x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
-    noise = (mix31(mix31(seed ^ idx)) & 0xFFFF).int()                               # (n,) in [0, 2^16)
+    noise = (mix31(mix31(seed ^ (idx & M31)) ^ (idx >> 31)) & 0xFFFF).int()         # (n,) in [0, 2^16)
     return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
@@ -101,5 +103,5 @@ class StochasticAdamW(torch.optim.Optimizer):
                 hyper, seeds = consts[p.device, t]
                 flat = (p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1))
                 for w, g, m, v in zip(*(x.split(self.chunk) for x in flat)):  # (n,) views into p, grad, m, v
-                    self._update(w, g, m, v, hyper, seeds, offset % (1 << 30))
+                    self._update(w, g, m, v, hyper, seeds, offset)
                     offset += w.numel()

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from minigrpo.sampling import SamplingParams
-
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # TrainConfig.weights -> the policy's dtype
 
 
@@ -37,7 +35,9 @@ class TrainConfig:
     eps_high: float | None = None     # None = eps (symmetric); DAPO's clip-higher uses e.g. 0.28
     kl_beta: float = 0.0              # Dr. GRPO drops the KL term: 0
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 1.0                # only 1: see __post_init__
+    tis: bool = True                  # truncated importance sampling against the rollout engine (grpo.py)
+    tis_cap: float = 2.0              # its cap C: weight = min(pi_old / pi_rollout, C)
     steps: int = 200
     eval_every: int = 25              # 0 = never (also skips the evaluation before training)
     eval_limit: int | None = None     # evaluate on the first N eval examples; None = all
@@ -76,7 +76,12 @@ class TrainConfig:
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if not 0.0 < self.temperature:
             raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature}")
-        SamplingParams(temperature=self.temperature, top_p=self.top_p)  # validates top_p
+        if self.top_p != 1.0:
+            raise ValueError(f"top_p={self.top_p}: the engine would sample from the nucleus alone while the trainer "
+                             f"scores the full distribution, an off-policy bias that no importance weight can "
+                             f"correct (tokens outside the nucleus are never drawn); use top_p=1")
+        if not self.tis_cap >= 1.0:
+            raise ValueError(f"tis_cap must be >= 1 (a weight of 1 is on-policy), got {self.tis_cap}")
         if not 0.0 < self.eps < 1.0 or (self.eps_high is not None and self.eps_high <= 0):
             raise ValueError(f"need 0 < eps < 1 and eps_high > 0, got eps={self.eps}, eps_high={self.eps_high}")
         if self.kl_beta < 0 or self.weight_decay < 0 or self.max_grad_norm < 0 or self.lr <= 0:

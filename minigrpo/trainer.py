@@ -3,8 +3,9 @@
 One step (`Trainer.step`):
   1. rollout   B prompts x G samples from the rollout backend, at the sampling temperature / top-p
   2. reward    task.score per completion; A = r - mean of its group (no std division: Dr. GRPO, grpo.py)
-  3. filter    a group whose advantages are all zero has no gradient: its rows are dropped before any
-               forward; if no group is left the update is skipped (and logged as such)
+  3. filter    with beta = 0, a group whose advantages are all zero has no gradient: its rows are dropped
+               before any forward; if no group is left the update is skipped (and logged as such). With
+               beta > 0 every row trains: the KL term of a flat group has a gradient too
   4. logprobs  reference log-probs from a frozen copy of the initial policy, only when kl_beta > 0; old
                log-probs (the policy before this step's updates): with one minibatch per epoch (the default)
                they come free from the first epoch's own forward, during which the policy has not moved
@@ -13,7 +14,9 @@ One step (`Trainer.step`):
   5. update    K epochs over shuffled minibatches of the B*G rows; each minibatch is one AdamW step on the
                clipped surrogate (+ beta * k3 KL), normalised as token-sum / (minibatch rows x max_new_tokens)
                and accumulated over micro-batches (memory only). Dropped rows still count in the normaliser,
-               so dropping them is a pure saving: the gradient is exactly the full minibatch's.
+               so dropping them is a pure saving: the gradient is exactly the full minibatch's. Each token's
+               surrogate is weighted by min(pi_old / pi_rollout, tis_cap) (truncated importance sampling,
+               grpo.py): the engine samples from its own bf16 distribution, not exactly from pi_old
   6. sync      the backend's weights are refreshed from the policy (`load_weights`), timed
 The LR (linear warmup, then constant or cosine) is a function of the step number: no scheduler state.
 Data parallel (torchrun, `dist`): each rank rolls out its block of the B prompts and the update runs
@@ -43,7 +46,7 @@ from tqdm import tqdm
 from minigrpo.data import EpochSampler
 from minigrpo.distributed import Dist, GradSync
 from minigrpo.evaluate import evaluate
-from minigrpo.grpo import dr_grpo_loss, group_advantages, nonzero_groups
+from minigrpo.grpo import dr_grpo_loss, group_advantages, mismatch_stats, nonzero_groups, truncated_is_weights
 from minigrpo.metrics import MetricsLogger, PhaseTimer
 from minigrpo.optim import StochasticAdamW
 from minigrpo.sampling import SamplingParams
@@ -134,7 +137,8 @@ class Trainer:
         scores = [self.task.score(examples[r // G], c) for r, c in enumerate(rollout.tokens)]
         rewards = torch.tensor([s[0] for s in scores], dtype=torch.float32)              # (R,)
         adv = group_advantages(rewards, G)                                               # (R,)
-        keep = nonzero_groups(adv, G)                                                    # (R,)
+        informative = nonzero_groups(adv, G)                                             # (R,)
+        keep = informative if cfg.kl_beta == 0 else torch.ones_like(informative)        # (R,) step 3
         kept = keep.nonzero().squeeze(1).tolist()
         self.last_rollout = {"examples": examples, "completions": rollout.tokens, "rewards": rewards.tolist()}
         # Rollout statistics over all N rows: each rank's rows, gathered in rank (= global row) order.
@@ -144,7 +148,7 @@ class Trainer:
         lens = stats[:, 0].tolist()
         m = {"step": self.step_idx, "reward_mean": all_rewards.mean().item(),
              "reward_std": all_rewards.std(0).item(), "accuracy": int(stats[:, 1].sum()) / N,
-             "zero_spread_frac": 1.0 - all_keep.float().mean().item(),
+             "zero_spread_frac": 1.0 - dist.gather(informative).float().mean().item(),
              "completion_len_mean": sum(lens) / N, "completion_len_max": max(lens),
              "truncated_frac": int(stats[:, 2].sum()) / N, "trained_rows": int(all_keep.sum()), "lr": lr}
         timer.lap("reward")
@@ -162,21 +166,16 @@ class Trainer:
             if dev.type == "cuda":  # the update's own peak, above the resident weights and optimizer state
                 peak_before, resident = torch.cuda.max_memory_allocated(dev), torch.cuda.memory_allocated(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
-            update, old_logp, entropy = self._update(batch, old_logp, entropy, ref_logp, adv[rows].to(dev), kept,
-                                                     all_keep)
+            sampled = pad_rows([rollout.logprobs[r] for r in rows], batch.C, dev)        # (n, C) pi_rollout
+            update, old_logp, entropy = self._update(batch, old_logp, entropy, ref_logp, sampled,
+                                                     adv[rows].to(dev), kept, all_keep)
             m.update(update)
             timer.lap("update")
             if dev.type == "cuda":
                 update_peak = torch.cuda.max_memory_allocated(dev)
                 m.update(peak_mem_update_gb=update_peak / 2**30, update_working_mem_gb=(update_peak - resident) / 2**30,
                          peak_mem_before_update_gb=peak_before / 2**30)
-            # the policy before the update vs the sampler: the rollout-vs-training mismatch monitor
-            sampled = pad_rows([rollout.logprobs[r] for r in rows], batch.C, dev)        # (n, C)
-            mask = batch.mask * bool(kept)
-            diff = (sampled - old_logp).abs() * mask
-            ent_sum, diff_sum, tokens = dist.sum(torch.stack([(entropy * mask).sum(), diff.sum(), mask.sum()]))
-            m.update(entropy=(ent_sum / tokens).item(), logp_diff_mean=(diff_sum / tokens).item(),
-                     logp_diff_max=dist.max(diff.max()).item())
+            m.update(self._mismatch_metrics(old_logp, sampled, entropy, batch.mask * bool(kept)))
             self.backend.load_weights(self.model)
             timer.lap("sync")
         else:
@@ -222,8 +221,21 @@ class Trainer:
                                    return_entropy=return_entropy,
                                    checkpoint_layers=self.cfg.activation_checkpointing)
 
-    def _update(self, batch, old_logp, entropy, ref_logp, adv, kept: list[int], all_keep: torch.Tensor):
-        """K epochs of minibatch AdamW steps over the kept rows. adv (n,), old/ref_logp, entropy (n, C), all_keep (N,).
+    def _mismatch_metrics(self, old_logp, rollout_logp, entropy, mask) -> dict:
+        """The policy before the update (pi_old) against the sampler (pi_rollout) on this step's trained tokens,
+        over all ranks: mean and max |log-prob difference|, k3 KL(pi_rollout || pi_old), the TIS weight's mean
+        (as applied, capped), the uncapped ratio's max and the fraction of tokens capped; and the entropy."""
+        st = mismatch_stats(old_logp, rollout_logp, mask, self.cfg.tis_cap)
+        sums = self.dist.sum(torch.stack([mask.sum(), (entropy * mask).sum(), st["logp_diff_sum"],
+                                          st["mismatch_kl_sum"], st["tis_weight_sum"], st["tis_capped"]]))
+        ent, diff, kl, weight, capped = (sums[1:] / sums[0].clamp(min=1)).tolist()   # per trained token
+        maxima = self.dist.max(torch.stack([st["logp_diff_max"], st["tis_ratio_max"]])).tolist()
+        return {"entropy": ent, "logp_diff_mean": diff, "logp_diff_max": maxima[0], "mismatch_kl": kl,
+                "tis_weight_mean": weight, "tis_ratio_max": maxima[1], "tis_capped_frac": capped}
+
+    def _update(self, batch, old_logp, entropy, ref_logp, rollout_logp, adv, kept: list[int], all_keep: torch.Tensor):
+        """K epochs of minibatch AdamW steps over the kept rows. adv (n,), old/ref/rollout_logp, entropy (n, C),
+        all_keep (N,).
 
         old_logp None (one minibatch per epoch): the first epoch's forward, before any optimizer step, is
         the old policy's; its log-probs (and entropy) fill old_logp, and its ratios are exactly 1.
@@ -264,10 +276,13 @@ class Trainer:
                             old_logp[idx[:k], :mb.C], entropy[idx[:k], :mb.C] = logp[:k].detach(), ent[:k]
                         else:
                             logp = self.policy(mb)                                       # (m, C')
+                        old = old_logp[idx, :mb.C]
                         loss, stats = dr_grpo_loss(
-                            logp, old_logp[idx, :mb.C], adv[idx], mb.mask, eps_low=cfg.eps, eps_high=cfg.eps_high,
+                            logp, old, adv[idx], mb.mask, eps_low=cfg.eps, eps_high=cfg.eps_high,
                             ref_logp=ref_logp[idx, :mb.C] if ref_logp is not None else None, beta=cfg.kl_beta,
-                            max_new_tokens=cfg.max_new_tokens, num_sequences=M)
+                            max_new_tokens=cfg.max_new_tokens, num_sequences=M,
+                            is_weight=truncated_is_weights(old, rollout_logp[idx, :mb.C], cfg.tis_cap)
+                            if cfg.tis else None)
                         (loss * (scale if micro else 0.0)).backward()  # x 1.0 is exact: W=1 is unchanged
                     if not micro:
                         continue

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from minigrpo.grpo import completion_mask, dr_grpo_loss, group_advantages, nonzero_groups
+from minigrpo.grpo import (completion_mask, dr_grpo_loss, group_advantages, mismatch_stats, nonzero_groups,
+                           truncated_is_weights)
 
 
 # ---------------------------------------------------------------------------------------------- advantages
@@ -190,6 +191,43 @@ def test_kl_adds_to_policy_term_and_is_reported_at_beta_zero():
     off, stats0 = dr_grpo_loss(logp, old, adv, mask, eps_low=0.2, max_new_tokens=4, ref_logp=ref, beta=0.0)
     assert off.item() == pytest.approx(base.item(), abs=1e-7)
     assert stats0["kl"].item() == pytest.approx(k3, abs=1e-6)
+
+
+# Truncated importance sampling on the case above: the rollout engine's log-probs put pi_old / pi_rollout at
+#   seq 0: [0.5, 4.0, 10.0 (masked)]    seq 1: [1.0, 1.5, 2.5];   cap C = 2 -> weights [0.5, 2, 2], [1, 1.5, 2]
+# The weights multiply the per-token surrogate terms of the loss comment above:
+#   -1.1 * 0.5 - 1.2 * 2 + 0.8 * 1 + 1.5 * 1.5 + 1.0 * 2 = -0.55 - 2.4 + 0.8 + 2.25 + 2.0 = 2.1;  loss = 2.1 / 8
+# Gradient wrt logp (d ratio / d logp = ratio): unclipped tokens only, -A * ratio * w / 8:
+#   (0, 0): -1.1 * 0.5 / 8 = -0.06875   (1, 1): 1.5 * 1.5 / 8 = 0.28125   (1, 2): 1.0 * 2 / 8 = 0.25
+IS_RATIOS = [[0.5, 4.0, 10.0], [1.0, 1.5, 2.5]]
+
+
+def test_truncated_importance_sampling_hand_computed():
+    logp, old, adv, mask = _case(requires_grad=True)
+    rollout = old - torch.tensor(IS_RATIOS).log()
+    weight = truncated_is_weights(old, rollout, cap=2.0)
+    torch.testing.assert_close(weight, torch.tensor([[0.5, 2.0, 2.0], [1.0, 1.5, 2.0]]))
+    loss, _ = dr_grpo_loss(logp, old, adv, mask, eps_low=0.2, max_new_tokens=4, is_weight=weight)
+    assert loss.item() == pytest.approx(2.1 / 8, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.06875, 0.0, 0.0], [0.0, 0.28125, 0.25]]))
+    # the KL term is not weighted: it adds beta * k3 / 8 per masked token whatever the weights
+    ref = logp.detach() - 0.5
+    with_kl, _ = dr_grpo_loss(logp, old, adv, mask, eps_low=0.2, max_new_tokens=4, is_weight=weight, ref_logp=ref,
+                              beta=0.1)
+    assert with_kl.item() == pytest.approx((2.1 + 0.1 * 5 * (math.exp(-0.5) - 0.5)) / 8, abs=1e-6)
+
+
+def test_mismatch_stats_hand_computed():
+    # Over the 5 masked tokens (the 10.0 is masked out): log r = ln [0.5, 4], [1, 1.5, 2.5]
+    #   sum |log r| = ln 2 + ln 4 + 0 + ln 1.5 + ln 2.5 = 3.401197
+    #   sum k3 = sum (r - 1 - ln r) = 0.193147 + 1.613706 + 0 + 0.094535 + 0.583709 = 2.485097
+    #   sum of capped weights = 0.5 + 2 + 1 + 1.5 + 2 = 7; capped: 4.0 and 2.5; max |log r| = ln 4; max r = 4
+    _, old, _, mask = _case()
+    st = mismatch_stats(old, old - torch.tensor(IS_RATIOS).log(), mask, cap=2.0)
+    expected = {"logp_diff_sum": 3.401197, "mismatch_kl_sum": 2.485097, "tis_weight_sum": 7.0, "tis_capped": 2.0,
+                "logp_diff_max": math.log(4), "tis_ratio_max": 4.0}
+    assert {k: pytest.approx(v.item(), abs=1e-5) for k, v in st.items()} == expected
 
 
 def test_loss_contract_errors():

@@ -37,6 +37,33 @@ def test_round_stochastic_noise_is_a_function_of_seed_and_index():
     assert torch.equal(round_stochastic(x[1000:].contiguous(), SEED, offset=1000), a[1000:])
 
 
+@pytest.mark.parametrize("period", [2**30, 2**31, 2**32])
+def test_round_stochastic_noise_does_not_repeat_at_large_indices(period):
+    # An 8B model has 2^33 elements; their noise must not repeat with the index (the old wrap was at 2^30).
+    x = torch.full((4096,), 1.0 + 2**-8)          # half a bf16 spacing above 1: rounds up with probability 1/2
+    a = round_stochastic(x, SEED, offset=5)
+    b = round_stochastic(x, SEED, offset=5 + period)
+    same = (a == b).float().mean().item()
+    assert 0.4 < same < 0.6, f"elements {period} apart round alike {same:.0%} of the time, not ~50%"
+
+
+def test_every_element_of_an_8b_model_gets_its_own_noise_index(monkeypatch):
+    # Meta tensors: the bookkeeping of an 8B-parameter step without the memory. Each chunk's noise index
+    # must start where the previous chunk ended, across parameters, never wrapping.
+    import minigrpo.optim as optim
+
+    starts = []
+    monkeypatch.setattr(optim, "_adamw_chunk", lambda w, g, m, v, hyper, seeds, offset: starts.append((offset, w.numel())))
+    params = [torch.nn.Parameter(torch.empty(n, dtype=torch.bfloat16, device="meta")) for n in (2**31 + 3, 2**32, 2**31)]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    StochasticAdamW(params, chunk=2**28).step(seed=0)
+    offsets = [0]
+    for _, n in starts:
+        offsets.append(offsets[-1] + n)
+    assert [o for o, _ in starts] == offsets[:-1] and offsets[-1] == 2**33 + 3
+
+
 def _run(opt_cls, w0, steps, lr, dtype, weight_decay=0.1, flip=True):
     w = torch.nn.Parameter(w0.clone().to(dtype))
     opt = opt_cls([w], lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)

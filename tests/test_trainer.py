@@ -184,21 +184,67 @@ def test_only_informative_groups_are_forwarded_and_the_gradient_is_the_full_batc
     # come from the update's own forward. The dropped group is never forwarded.
     assert sorted(rows) == [2, 3, 3] and m["trained_rows"] == 8 and backend.syncs == 1
 
-    # Reference: the Dr. GRPO loss over ALL 12 rows, each row scored alone (no padding) from full logits.
-    G, L = 4, 6
-    losses = []
-    for r, completion in enumerate(trainer.last_rollout["completions"]):
-        prompt = prompts[trainer.last_rollout["examples"][r // G]]
-        ids = torch.tensor([prompt + completion])
-        logp_all = initial(ids)[0].log_softmax(-1)                          # (T, V)
-        # the logits at t score token t+1: completion token k sits at len(prompt) + k
-        logp = torch.stack([logp_all[len(prompt) + k - 1, tok] for k, tok in enumerate(completion)])
-        rewards = torch.tensor(trainer.last_rollout["rewards"]).view(-1, G)
-        adv = (rewards - rewards.mean(1, keepdim=True)).view(-1)[r]
-        losses.append(-(adv * torch.exp(logp - logp.detach())).sum())        # ratio = 1, gradient = A * dlogp
-    (torch.stack(losses).sum() / (12 * L)).backward()
-    for name, p in initial.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
+    for name, want in _full_batch_gradient(initial, trainer, prompts)[0].items():
+        torch.testing.assert_close(grads[name], want, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def _row_logprobs(model, prompt, completion) -> torch.Tensor:
+    """Log-probs of one completion's tokens, the row scored alone from full logits. (c,)"""
+    logp_all = model(torch.tensor([prompt + completion]))[0].log_softmax(-1)        # (T, V)
+    # the logits at t score token t+1: completion token k sits at len(prompt) + k
+    return torch.stack([logp_all[len(prompt) + k - 1, tok] for k, tok in enumerate(completion)])
+
+
+def _full_batch_gradient(policy, trainer, prompts, ref=None, beta=0.0):
+    """The gradient of the Dr. GRPO loss (+ beta x k3 KL to `ref`) over ALL rows of the trainer's last rollout,
+    each token's surrogate weighted by min(pi_old / pi_rollout, 2) (ScriptedBackend's log-probs: -1), at
+    `policy`'s weights. Returns (gradients by name, the mean k3 KL per token)."""
+    G, L = trainer.cfg.samples_per_prompt, trainer.cfg.max_new_tokens
+    r = trainer.last_rollout
+    rewards = torch.tensor(r["rewards"]).view(-1, G)
+    advs = (rewards - rewards.mean(1, keepdim=True)).view(-1)                       # (N,)
+    loss, kls = 0.0, []
+    for i, completion in enumerate(r["completions"]):
+        prompt = prompts[r["examples"][i // G]]
+        logp = _row_logprobs(policy, prompt, completion)                            # (c,)
+        weight = torch.exp(logp.detach() + 1.0).clamp(max=2.0)
+        loss = loss - (advs[i] * weight * torch.exp(logp - logp.detach())).sum()    # ratio 1: grad A * w * dlogp
+        if ref is not None:
+            delta = _row_logprobs(ref, prompt, completion).detach() - logp
+            kls.append(torch.exp(delta) - delta - 1)
+            loss = loss + beta * kls[-1].sum()
+    (loss / (len(advs) * L)).backward()
+    mean_kl = torch.cat(kls).mean().item() if kls else None
+    return {n: p.grad for n, p in policy.named_parameters()}, mean_kl
+
+
+def test_with_a_kl_term_every_group_trains_and_the_gradient_is_the_full_batch_one(tmp_path):
+    # beta > 0: a flat group's policy-gradient term is zero, but its KL term is not once the policy has moved
+    # from the reference. Dropping those rows would shrink the effective beta (and skip the KL entirely on a
+    # step where every group is flat), so they must train, and the logged KL must cover them.
+    model = random_model(tiny_config(tied=False, vocab=32), seed=3, std=0.1).train()
+    script = {1: [[10, STOP]] * 4, 2: [[11, 12, STOP]] * 4,                    # flat: all right, all wrong
+              4: [[10, STOP], [11, 12, STOP], [10, 13, 14, 15, 16, 17], [12, STOP]]}
+    prompts = [[1, 2, 3], [2, 5], [4, 5]]
+    trainer, _ = _trainer(model, script, prompts, tmp_path, micro_batch_size=5, max_grad_norm=0.0, kl_beta=0.5)
+    with torch.no_grad():  # move the policy away from the KL reference (a copy taken at construction)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    policy = copy.deepcopy(model)
+    rows, grads = _count_forward_rows(model), {}
+    step = trainer.optimizer.step
+
+    def capture(*a, **k):
+        grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+        return step(*a, **k)
+
+    trainer.optimizer.step = capture
+    m = trainer.step()
+    assert sum(rows) == 12 and m["trained_rows"] == 12 and m["zero_spread_frac"] == pytest.approx(2 / 3)
+    want, mean_kl = _full_batch_gradient(policy, trainer, prompts, ref=trainer.ref, beta=0.5)
+    for name, g in want.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
+    assert mean_kl > 1e-4 and m["kl"] == pytest.approx(mean_kl, rel=1e-5)  # over every row's tokens
 
 
 def test_old_logprobs_from_the_first_epoch_equal_a_separate_scoring_pass(tmp_path):
@@ -395,8 +441,11 @@ def test_config_rejects_bad_values():
         TrainConfig(prompts_per_step=4, samples_per_prompt=8, minibatch_size=48)
     with pytest.raises(ValueError, match="samples_per_prompt must be >= 2"):
         TrainConfig(samples_per_prompt=1)
-    with pytest.raises(ValueError, match="top_p"):
-        TrainConfig(top_p=0.0)
+    with pytest.raises(ValueError, match="top_p=0.9: the engine would sample from the nucleus alone while the "
+                                         "trainer scores the full distribution"):
+        TrainConfig(top_p=0.9)  # never a silent off-policy bias
+    with pytest.raises(ValueError, match="tis_cap must be >= 1"):
+        TrainConfig(tis_cap=0.5)
 
 
 def test_greedy_evaluation_counts_exact_answers():
@@ -460,15 +509,51 @@ def test_policy_dtype_must_match_the_weights_setting(tmp_path):
         TrainConfig(weights="fp16")
 
 
+def _record_gradients(trainer) -> list[dict[str, torch.Tensor]]:
+    """Make the trainer's optimizer plain SGD that records every step's gradients (the list returned).
+
+    SGD, not AdamW: Adam divides by sqrt(v), so a gradient element near zero whose rounding differs in sign
+    moves its weight by a whole lr either way, and the epochs after the first would start from weights
+    that differ by far more than rounding. SGD keeps weight differences at lr x the gradient difference."""
+    grads, sgd = [], torch.optim.SGD(trainer.model.parameters(), lr=trainer.cfg.lr)
+    step = sgd.step
+
+    def recording_step(*args):
+        grads.append({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()})
+        return step()
+
+    sgd.step, trainer.optimizer = recording_step, sgd
+    return grads
+
+
+def _assert_gradients_close(got: dict, want: dict, rtol: float) -> None:
+    """Each tensor's worst element within rtol x that gradient's norm; the message names the worst one."""
+    for name, g in want.items():
+        diff = (got[name] - g).abs()
+        worst = int(diff.argmax())
+        tol = rtol * float(g.norm())
+        assert float(diff.flatten()[worst]) <= tol, (
+            f"{name}[{worst}]: compiled {float(got[name].flatten()[worst]):.6g} vs eager {float(g.flatten()[worst]):.6g}, "
+            f"difference {float(diff.flatten()[worst]):.3g} > {rtol} x |grad| = {tol:.3g}")
+
+
 @pytest.mark.slow
 def test_compiled_policy_trains_like_the_eager_one(tmp_path):
+    # Compiling reorders fp32 reductions, so the two differ by rounding: about sqrt(n) x 6e-8 relative for
+    # a sum of n terms, a few 1e-6 of the gradient's norm after a backward through the tiny model. 1e-4 is
+    # far above that and far below what a real difference makes (a wrong mask, row, scale or padding changes
+    # the gradient by O(1) of its norm).
     cfg = dict(steps=1, inner_epochs=2, micro_batch_size=32, kl_beta=0.05, lr=3e-3)
     runs = []
     for compiled in (False, True):
         trainer = _synthetic_trainer(tmp_path / str(compiled), compile_policy=compiled, **cfg)
-        runs.append((trainer.step(), trainer.model.state_dict()))
+        grads = _record_gradients(trainer)
+        runs.append((trainer.step(), grads))
     assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in trainer.model.model.layers)
+    (eager, eager_grads), (compiled, compiled_grads) = runs
     for key in ("loss", "kl", "entropy", "grad_norm", "logp_diff_mean"):
-        assert runs[1][0][key] == pytest.approx(runs[0][0][key], rel=1e-4, abs=1e-7), key
-    for name, w in runs[0][1].items():  # same names (compiling in place keeps them), same values
-        torch.testing.assert_close(runs[1][1][name], w, atol=1e-5, rtol=1e-4, msg=name)
+        assert compiled[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-7), key
+    assert len(eager_grads) == len(compiled_grads) == 2  # one optimizer step per epoch
+    for got, want in zip(compiled_grads, eager_grads):
+        assert got.keys() == want.keys()  # same names: compiling in place keeps them
+        _assert_gradients_close(got, want, rtol=1e-4)

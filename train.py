@@ -152,6 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     preset, _ = preset_parser.parse_known_args(argv)
     parser.set_defaults(**PRESETS[preset.preset])
     args = parser.parse_args(argv)
+    args.attn = args.attn or ("triton" if torch.device(args.device).type == "cuda" else "reference")
     try:
         args.cfg = TrainConfig(
             prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
@@ -166,10 +167,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,
             seed=args.seed, logprob_chunk_size=args.logprob_chunk_size,
             activation_checkpointing=args.activation_checkpointing, weights=args.weights,
+            # the reference generator runs the policy itself at every length: compiled, a recompile per token
             compile_policy=(args.compile_policy if args.compile_policy is not None
-                            else torch.device(args.device).type == "cuda"))
+                            else torch.device(args.device).type == "cuda" and args.attn != "reference"))
     except ValueError as e:
         parser.error(str(e))
+    if args.compile_policy and args.attn == "reference":
+        parser.error("--compile-policy with --attn reference would recompile the policy for every generated token; "
+                     "drop --compile-policy, or use the engine (--attn sdpa|triton)")
     if args.preset == "smoke" and args.model_dir is not None:
         parser.error("--preset smoke trains its own tiny random model; drop --model-dir (or use --preset gsm8k)")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
@@ -180,7 +185,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ImportError:
             parser.error("--tensorboard needs the tensorboard package: `pip install tensorboard` (metrics.jsonl "
                          "is written either way)")
-    args.attn = args.attn or ("triton" if torch.device(args.device).type == "cuda" else "reference")
     return args
 
 

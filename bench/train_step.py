@@ -107,7 +107,8 @@ def main():
     keys = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_sync", "time_step",
             "rollout_tokens_per_s", "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb",
             "trained_rows", "loss", "kl", "clip_frac", "grad_norm", "logp_diff_mean", "logp_diff_max",
-            "compiled_graphs")
+            "mismatch_kl", "tis_weight_mean", "tis_ratio_max", "tis_capped_frac", "compiled_graphs",
+            "completion_len_mean")
     result = {}
     runs = [(a, False) for a in args.attn.split(",") if a] + ([(args.full_logits_attn, True)] if args.full_logits else [])
     for attn, full in runs:

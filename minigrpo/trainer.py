@@ -64,6 +64,21 @@ def derive_seeds(seed: int, tag: int, step: int, n: int) -> list[int]:
     return (state >> np.uint64(1)).astype(np.int64).tolist()
 
 
+def _allow_every_length_bucket(max_positions: int) -> None:
+    """Let Dynamo compile a decoder layer for every length bucket the model's positions allow, and make
+    running out an error.
+
+    Every layer shares one code object, whose graphs count against Dynamo's recompile limit (8 by default):
+    one per length bucket and grad mode, 2 x (prompt + max_new_tokens) / SEQ_BUCKET of them; a 2,048-token
+    budget needs about 72. Past the limit Dynamo would run new shapes eager without a word. Process-wide
+    settings: they also cover the engine's compiled step."""
+    graphs = 2 * -(-max_positions // SEQ_BUCKET)
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, graphs)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, graphs)
+    cfg.fail_on_recompile_limit_hit = True
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, model, tokenizer, task, backend, out_dir: str | Path, *,
                  eval_task=None, tokenizer_dir: str | Path | None = None, tensorboard: bool = False,
@@ -93,10 +108,7 @@ class Trainer:
             for m in (model, self.ref) if self.ref is not None else (model,):
                 for layer in m.model.layers:
                     layer.compile(dynamic=False)
-            # Every layer shares one code object, whose graphs count against Dynamo's recompile limit (8):
-            # one per length bucket and grad mode, up to 2 x (prompt + max_new_tokens) / SEQ_BUCKET. Past the
-            # limit a new shape would quietly run eager, so the limit is raised (a process-wide setting).
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            _allow_every_length_bucket(model.config.max_position_embeddings)
         if cfg.weights == "bf16":
             self.optimizer = StochasticAdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                              weight_decay=cfg.weight_decay)

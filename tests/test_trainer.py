@@ -557,3 +557,24 @@ def test_compiled_policy_trains_like_the_eager_one(tmp_path):
     for got, want in zip(compiled_grads, eager_grads):
         assert got.keys() == want.keys()  # same names: compiling in place keeps them
         _assert_gradients_close(got, want, rtol=1e-4)
+
+
+def test_a_compiled_policy_compiles_every_length_bucket_and_never_falls_back_silently(monkeypatch):
+    # A 2,048-token budget needs ~72 graphs of the one decoder-layer code object, past Dynamo's default limit
+    # of 8, after which it would run new shapes eager without a word. With 640 positions: 10 buckets x 2.
+    import torch._dynamo
+
+    from minigrpo.trainer import _allow_every_length_bucket
+
+    for name in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit"):
+        monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))  # restored after
+    _allow_every_length_bucket(640)
+    torch._dynamo.reset()
+    layer = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for n in range(1, 21):  # 20 shapes: every one compiled
+        layer(torch.ones(n))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 20
+    with pytest.raises(Exception, match="recompile_limit"):  # the 21st is an error, not a quiet eager run
+        layer(torch.ones(21))
+    torch._dynamo.reset()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|ddp|trl
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|trl
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
 set -u
@@ -11,6 +11,10 @@ LEAN="--weights bf16 --activation-checkpointing --logprob-chunk-size 256"  # TRL
 rand05b() {  # the random-initialised Qwen2.5-0.5B the trainer benchmarks run on, written once per machine
   [ -d /tmp/rand05b ] || python3 weights/download.py --random-init \
     --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
+}
+rand15b() {  # the same at the published 1.5B shape (the 0.5B's tokenizer: they share it)
+  [ -d /tmp/rand15b ] || python3 weights/download.py --random-init \
+    --config "$DATA/configs/qwen2.5-1.5b-instruct/config.json" --tokenizer-dir "$DATA/qwen2.5-0.5b-instruct" --out /tmp/rand15b
 }
 case "${1:-}" in
   checks)      # correctness on the GPU: kernels in bf16, logits / greedy vs transformers, engine modes
@@ -59,6 +63,19 @@ case "${1:-}" in
     OUT=$OUT/lean_full $T --attn "" --full-logits --steps 2 -- $LEAN 2>&1 | grep -E "^triton|Error"
     OUT=$OUT/lean_mb32 $T --attn triton --steps 6 -- $LEAN --micro-batch-size 32 2>&1 | grep -E "^triton|Error"
     bash bench/h200.sh trl ;;
+  tis)         # the rollout/trainer mismatch and its TIS weights at the 0.5B and 1.5B shapes, LEAN, 8x8x256
+    rand05b; rand15b
+    for m in 05b 15b; do
+      OUT=$OUT/tis_$m python3 bench/train_step.py --model-dir /tmp/rand$m --data "$DATA" --attn triton --steps 3 \
+        -- $LEAN "${@:2}" 2>&1 | grep -E "^triton|Error"
+    done ;;
+  long)        # long generation budgets at 0.5B, LEAN, 8 x 8 x L: L = 1024 2048 (or the given lengths)
+    rand05b
+    LENS=("${@:2}"); [ ${#LENS[@]} -gt 0 ] || LENS=(1024 2048)
+    for L in "${LENS[@]}"; do
+      OUT=$OUT/long$L python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --attn triton --steps 3 \
+        -- $LEAN --max-new-tokens "$L" 2>&1 | grep -E "^triton|Error"
+    done ;;
   ddp)         # issue 6's scaling table: torchrun on 1, 2, 4, 8 GPUs (as many as there are) at a fixed
                # 8 prompts x 8 samples per GPU, the LEAN trainer flags; step time and tokens/s from rank 0
     rand05b
@@ -73,6 +90,6 @@ case "${1:-}" in
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl
     mkdir -p /tmp/peers && cp .peers/trl_baseline.py /tmp/peers/ && ln -sfn "$(realpath "$DATA")" /tmp/data
     PYTHONPATH=/tmp/site CACHE=${CACHE:-static} STEPS=${STEPS:-6} python3 /tmp/peers/trl_baseline.py 2>&1 | tail -3 ;;
-  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|ddp|trl [args]"
+  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|trl [args]"
      exit 2 ;;
 esac

@@ -126,6 +126,13 @@ class GradSync:
     others). Every rank must make one last=True backward per optimizer step, so a rank without rows of its
     own in a minibatch backwards a stand-in row at zero weight (Trainer._update). With W = 1 this is the
     plain forward and plain backward.
+
+    bf16 parameters (`--weights bf16`) sum their micro-batch gradients in fp32: summed in bf16, each
+    addition would round to 8 significant bits of the running sum, and a micro-batch small against the
+    sum so far would be lost. As each gradient lands, a hook moves it into an fp32 sum (4 bytes per
+    parameter in place of the 2 of a bf16 gradient); the last micro-batch's backward adds to that sum
+    rounded to bf16, and DDP all-reduces the result. So the gradient is the exact sum up to two bf16
+    roundings, whatever the number of micro-batches.
     """
 
     def __init__(self, model: torch.nn.Module, fn, dist: Dist):
@@ -133,11 +140,30 @@ class GradSync:
         module = _Forward(model, fn)
         # DDP broadcasts rank 0's weights here: the ranks start identical even if their inits differed.
         self.module = DistributedDataParallel(module) if dist.world > 1 else module
+        self._sums: dict[torch.nn.Parameter, torch.Tensor] = {}  # fp32 sums of this step's earlier micro-batches
+        self._summing = False
+        for p in model.parameters():
+            if p.requires_grad and p.dtype == torch.bfloat16:
+                p.register_post_accumulate_grad_hook(self._add_to_fp32_sum)
 
+    def _add_to_fp32_sum(self, p: torch.nn.Parameter) -> None:
+        if self._summing:
+            g = p.grad.float()
+            self._sums[p] = self._sums[p].add_(g) if p in self._sums else g
+            p.grad = None  # the next micro-batch's gradient lands alone, unrounded
+
+    @contextlib.contextmanager
     def accumulate(self, last: bool):
-        if self.dist.world == 1 or last:
-            return contextlib.nullcontext()
-        return self.module.no_sync()
+        if last:  # the last backward adds to the sum so far, then all-reduces
+            for p, total in self._sums.items():
+                p.grad = total.to(p.dtype)
+            self._sums.clear()
+        self._summing = not last
+        try:
+            with self.module.no_sync() if self.dist.world > 1 and not last else contextlib.nullcontext():
+                yield
+        finally:
+            self._summing = False
 
     def __call__(self, batch, *args):
         return self.module(batch, *args)

@@ -149,3 +149,30 @@ def test_compiled_update_equals_the_eager_one():
 def test_rejects_fp32_parameters():
     with pytest.raises(ValueError, match="bf16 parameters, got torch.float32"):
         StochasticAdamW([torch.nn.Parameter(torch.zeros(3))])
+
+
+def test_bf16_micro_batch_gradients_are_summed_in_fp32():
+    # One large micro-batch gradient (64..128, where bf16 numbers are 0.5 apart), then 15 small positive ones
+    # (0.1..0.24): summed in bf16, each small one rounds away against the running sum, and 15 of them are
+    # lost. GradSync sums in fp32 and rounds twice at the end: within bf16's unit roundoff u = 2^-8 of the
+    # sum of the first 15 micro-batches, and of the result.
+    from minigrpo.distributed import Dist, GradSync
+
+    g = torch.Generator().manual_seed(0)
+    grads = [(64 + 64 * torch.rand(4096, generator=g)).bfloat16()]
+    grads += [(0.1 + 0.14 * torch.rand(4096, generator=g)).bfloat16() for _ in range(15)]
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16))
+    sync = GradSync(model, lambda m, grad: (m.w * grad).sum(), Dist())      # d loss / d w = grad, exactly
+    for u, grad in enumerate(grads):
+        with sync.accumulate(last=u == 15):
+            sync(grad).backward()
+    exact = torch.stack([x.double() for x in grads]).sum(0)
+    first15 = torch.stack([x.double() for x in grads[:15]]).sum(0)
+    bound = 2**-8 * (first15.abs() + exact.abs()) + 16 * 2**-24 * exact.abs()  # + the fp32 sum's own rounding
+    err = (model.w.grad.double() - exact).abs()
+    assert model.w.grad.dtype == torch.bfloat16 and (err <= bound).all(), f"worst {(err - bound).max():.3g} over"
+    naive = grads[0]
+    for x in grads[1:]:
+        naive = naive + x                                                  # round to nearest bf16 each time
+    assert ((naive.double() - exact).abs() > bound).all()                  # what the fp32 sum avoids

@@ -69,13 +69,12 @@ case "${1:-}" in
       OUT=$OUT/tis_$m python3 bench/train_step.py --model-dir /tmp/rand$m --data "$DATA" --attn triton --steps 3 \
         -- $LEAN "${@:2}" 2>&1 | grep -E "^triton|Error"
     done ;;
-  long)        # long generation budgets at 0.5B, LEAN, 8 x 8 x L: L = 1024 2048 (or the given lengths)
+  long)        # long generation budgets at 0.5B, 8 x 8 x L: LEAN at L = 1024 and 2048, the default flags at 1024
     rand05b
-    LENS=("${@:2}"); [ ${#LENS[@]} -gt 0 ] || LENS=(1024 2048)
-    for L in "${LENS[@]}"; do
-      OUT=$OUT/long$L python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --attn triton --steps 3 \
-        -- $LEAN --max-new-tokens "$L" 2>&1 | grep -E "^triton|Error"
-    done ;;
+    T="python3 bench/train_step.py --model-dir /tmp/rand05b --data $DATA --attn triton --steps 5"
+    OUT=$OUT/long1024 $T -- $LEAN --max-new-tokens 1024 2>&1 | grep -E "^triton|Error"
+    OUT=$OUT/long2048 $T -- $LEAN --max-new-tokens 2048 2>&1 | grep -E "^triton|Error"
+    OUT=$OUT/long1024_default $T -- --max-new-tokens 1024 2>&1 | grep -E "^triton|Error" ;;
   ddp)         # issue 6's scaling table: torchrun on 1, 2, 4, 8 GPUs (as many as there are) at a fixed
                # 8 prompts x 8 samples per GPU, the LEAN trainer flags; step time and tokens/s from rank 0
     rand05b

@@ -45,7 +45,7 @@ def test_help_documents_every_flag():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--preset", "smoke", "--minibatch-size", "7"], "minibatch_size 7 must divide the B*G = 128 rows"),
+    (["--preset", "smoke", "--minibatch-size", "7"], "--minibatch-size 7 must divide the B*G = 128 rows"),
     (["--preset", "smoke", "--model-dir", "x"], "--preset smoke trains its own tiny random model"),
     (["--model-dir", "/nonexistent/model"], "/nonexistent/model is not a model directory"),
 ])

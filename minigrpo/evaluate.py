@@ -57,8 +57,8 @@ def resolve_model_dir(model_dir: str | Path | None) -> Path:
     if model_dir is not None:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
-            raise SystemExit(f"error: {model_dir} is not a model directory (no config.json); download one with "
-                             f"`python weights/download.py --out {model_dir}`")
+            raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json); download one with "
+                                    f"`python weights/download.py --out {model_dir}`")
         return model_dir
     if not (DEFAULT_DIR / "config.json").is_file() or not any(DEFAULT_DIR.glob("*.safetensors")):
         print(f"no model at {DEFAULT_DIR}: downloading {DEFAULT_REPO} ...", file=sys.stderr)
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     from minigrpo.task import GSM8KTask, prompt_budget
     from minigrpo.tokenizer import Tokenizer
 
-    model_dir = resolve_model_dir(args.model_dir)
     try:
+        model_dir = resolve_model_dir(args.model_dir)
         task = GSM8KTask(load_gsm8k("test", args.test_data), Tokenizer.from_dir(model_dir))
         dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
         model = load_model(model_dir, dtype=dtype, device=args.device).eval()

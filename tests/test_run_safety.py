@@ -173,7 +173,7 @@ def test_weights_with_nan_are_never_saved(tmp_path):
 # ------------------------------------------------------------------------------------------ interrupts and crashes
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(tmp_path, sig):
     out, log = tmp_path / "run", tmp_path / "log"
     args = [*SMALL, "--steps", "100000", "--save-every", "1000", "--out", str(out)]
@@ -199,8 +199,8 @@ def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(tmp_path
 
 def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(tmp_path):
     out, log = tmp_path / "run", tmp_path / "log"
-    # A long evaluation (1000 greedy prompts, 2 at a time) in every step: the second Ctrl-C lands inside it.
-    args = [*SMALL, "--eval-every", "1", "--eval-limit", "1000", "--eval-batch-size", "2", "--steps", "5",
+    # A long evaluation (400 greedy prompts, 2 at a time) in every step: the second Ctrl-C lands inside it.
+    args = [*SMALL, "--eval-every", "1", "--eval-limit", "400", "--eval-batch-size", "2", "--steps", "5",
             "--save-every", "1", "--out", str(out)]
     proc = start(args, log)
     assert wait_for("step 1 |", log, proc)

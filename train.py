@@ -334,7 +334,8 @@ def _train(args, dist, out: Path, argv: list[str]) -> int:
         return 1
     except KeyboardInterrupt:
         if dist.is_main:
-            print(f"stopped at once; {_last_checkpoint(out)}; resume with: {resume_command(argv)}", file=sys.stderr)
+            resume = f"; resume with: {resume_command(argv)}" if latest_name(out / "checkpoints") else ""
+            print(f"stopped at once; {_last_checkpoint(out)}{resume}", file=sys.stderr)
         return 130
     if history and dist.is_main:
         first, last = history[0], history[-1]

@@ -19,13 +19,13 @@ from safetensors.torch import load_file
 
 from conftest import random_model, tiny_config
 from minigrpo.metrics import LEGEND, MetricsLogger
+from minigrpo.rollout import ReferenceBackend
 from minigrpo.run_dir import check_out
 from minigrpo.stopping import NonFiniteError
 from minigrpo.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
 from minigrpo.task import prompt_budget
-from minigrpo.train_state import LATEST, load_checkpoint, resolve_checkpoint, save_checkpoint
-from minigrpo.rollout import ReferenceBackend
 from minigrpo.train_config import TrainConfig
+from minigrpo.train_state import LATEST, load_checkpoint, resolve_checkpoint, save_checkpoint
 from minigrpo.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -64,8 +64,15 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad flag in one line: the usage of this many flags, printed first, would bury it."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (all flags: --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=_HelpFormatter)
     g = p.add_argument_group("run")
     g.add_argument("--preset", choices=sorted(PRESETS), default="gsm8k",
                    help="gsm8k: Qwen2.5 on GSM8K; smoke: CPU, tiny random model, built-in synthetic task (CI)")
@@ -165,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
-    preset_parser = argparse.ArgumentParser(add_help=False)
+    preset_parser = _Parser(add_help=False)
     preset_parser.add_argument("--preset", choices=sorted(PRESETS), default="gsm8k")
     preset, _ = preset_parser.parse_known_args(argv)
     parser.set_defaults(**PRESETS[preset.preset])

@@ -249,6 +249,7 @@ def _comparable(path: Path) -> list[dict]:
             for ln in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_path):
     """20 SIGKILLs, anywhere from start-up to mid-step to mid-checkpoint (every 2 steps), each resumed."""
     args = [*SMALL, "--steps", "60", "--save-every", "2", "--eval-every", "8", "--eval-limit", "8",

@@ -12,7 +12,11 @@ max_new_tokens), and no KL penalty (beta = 0: with a verifiable reward the KL an
 only slows learning; set --beta > 0 to add the k3 KL to a frozen copy of the initial policy).
 
 Outputs in --out: metrics.jsonl (one JSON object per step), samples.jsonl, checkpoints/step_*/model (HF
-format) + trainer_state.pt, tensorboard/ with --tensorboard.
+format) + trainer_state.pt, tensorboard/ with --tensorboard. A run never deletes another run's files: a
+new run into an --out that holds one is refused unless --overwrite moves the old one aside.
+
+Ctrl-C (SIGINT) or SIGTERM: the run finishes its step, saves a checkpoint, prints the command that
+resumes it and exits with 130 / 143; a second Ctrl-C stops at once, keeping the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import random
+import re
+import shlex
+import signal
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +36,11 @@ import torch
 
 from minigrpo import distributed
 from minigrpo.rollout import ATTN_BACKENDS, make_backend
+from minigrpo.run_dir import check_out, move_aside
+from minigrpo.stopping import Interrupted, NonFiniteError, nonfinite
+from minigrpo.task import prompt_budget
 from minigrpo.train_config import WEIGHT_DTYPES, TrainConfig
+from minigrpo.train_state import latest_name, remove_stale_temps
 from minigrpo.trainer import Trainer
 
 # --preset sets these defaults; any flag given on the command line still wins.
@@ -44,11 +56,23 @@ D = TrainConfig()
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
+    """Appends each flag's default, unless its help already states it or there is none."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad flag in one line: the usage of this many flags, printed first, would bury it."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (all flags: --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=_HelpFormatter)
     g = p.add_argument_group("run")
     g.add_argument("--preset", choices=sorted(PRESETS), default="gsm8k",
                    help="gsm8k: Qwen2.5 on GSM8K; smoke: CPU, tiny random model, built-in synthetic task (CI)")
@@ -57,10 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-data", default=None, help="GSM8K train jsonl (openai/grade-school-math format); "
                    "default: openai/gsm8k from the Hugging Face Hub (needs pyarrow)")
     g.add_argument("--test-data", default=None, help="GSM8K test jsonl for evaluation; default: the Hub")
-    g.add_argument("--out", default=None, help="output directory (default: runs/<preset>)")
+    g.add_argument("--out", default=None, help="output directory (default: runs/<preset>); one that already "
+                   "holds a run needs --resume or --overwrite")
     g.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT",
                    help="continue exactly from a checkpoint directory, or without a value from the newest "
                         "checkpoint in --out")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out that holds a run, after renaming that run to OUT.old-<time> "
+                        "(nothing is deleted)")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device")
     g.add_argument("--seed", type=int, default=D.seed, help="seeds data order, rollout sampling, shuffling")
@@ -83,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="completions per prompt, the group size (G)")
     g.add_argument("--max-new-tokens", type=int, default=D.max_new_tokens,
                    help="generation budget per completion; also the loss normaliser")
+    g.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="prompt budget; sizes the engine (default: the longest prompt). Prompts longer than it, "
+                        "or than the model's positions minus the new tokens, are refused at start, not dropped")
     g.add_argument("-K", "--inner-epochs", type=int, default=D.inner_epochs,
                    help="optimisation passes over each rollout batch (1 = on-policy)")
     g.add_argument("--minibatch-size", type=int, default=D.minibatch_size,
@@ -147,12 +178,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
-    preset_parser = argparse.ArgumentParser(add_help=False)
+    preset_parser = _Parser(add_help=False)
     preset_parser.add_argument("--preset", choices=sorted(PRESETS), default="gsm8k")
     preset, _ = preset_parser.parse_known_args(argv)
     parser.set_defaults(**PRESETS[preset.preset])
     args = parser.parse_args(argv)
-    args.attn = args.attn or ("triton" if torch.device(args.device).type == "cuda" else "reference")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a torch device; use cpu, cuda or cuda:N")
+    args.attn = args.attn or ("triton" if device.type == "cuda" else "reference")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        parser.error(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     try:
         args.cfg = TrainConfig(
             prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
@@ -169,15 +206,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             activation_checkpointing=args.activation_checkpointing, weights=args.weights,
             # the reference generator runs the policy itself at every length: compiled, a recompile per token
             compile_policy=(args.compile_policy if args.compile_policy is not None
-                            else torch.device(args.device).type == "cuda" and args.attn != "reference"))
+                            else device.type == "cuda" and args.attn != "reference"))
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(flag_names(str(e), parser))
     if args.compile_policy and args.attn == "reference":
         parser.error("--compile-policy with --attn reference would recompile the policy for every generated token; "
                      "drop --compile-policy, or use the engine (--attn sdpa|triton)")
     if args.preset == "smoke" and args.model_dir is not None:
         parser.error("--preset smoke trains its own tiny random model; drop --model-dir (or use --preset gsm8k)")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here; use --device cpu")
     if args.tensorboard:
         try:
@@ -186,6 +223,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error("--tensorboard needs the tensorboard package: `pip install tensorboard` (metrics.jsonl "
                          "is written either way)")
     return args
+
+
+def flag_names(message: str, parser: argparse.ArgumentParser) -> str:
+    """`message` with TrainConfig's field names replaced by the flags that set them (kl_beta -> --beta)."""
+    flags = {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings}
+    flags["kl_beta"] = "--beta"
+    names = sorted((f.name for f in fields(TrainConfig) if f.name in flags), key=len, reverse=True)
+    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: flags[m.group()], message)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that resumes this run: its own flags, less --resume / --overwrite, plus --resume."""
+    kept, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("-")  # its optional value
+        elif not arg.startswith(("--resume=", "--overwrite")):
+            kept.append(arg)
+    return "python " + shlex.join([sys.argv[0], *kept, "--resume"])
 
 
 def build_smoke(args):
@@ -217,24 +275,29 @@ def build_gsm8k(args):
 
 
 def build_backend(args, model, tokenizer, train, test):
-    """The rollout backend for these flags, its engine sized to the run: block tables for the longest
-    prompt + completion budget, the KV pool for one rollout (B x G sequences)."""
-    longest = None
-    if args.attn != "reference":
-        budget = max(args.cfg.max_new_tokens, args.cfg.eval_max_new_tokens or 0)
-        tasks = [train] + ([test] if test is not None else [])
-        longest = max(len(t.prompt(i)) for t in tasks for i in range(len(t))) + budget
+    """The rollout backend for these flags, its engine sized to the run: block tables for the prompt budget
+    (every prompt checked against it and the model's positions, task.prompt_budget) plus the completion
+    budget, the KV pool for one rollout (B x G sequences)."""
+    new_tokens = max(args.cfg.max_new_tokens, args.cfg.eval_max_new_tokens or 0)
+    used = [(train, len(train))] + ([(test, min(len(test), args.cfg.eval_limit or len(test)))] if test else [])
+    prompt_tokens = prompt_budget(used, model.config.max_position_embeddings, new_tokens, args.max_prompt_tokens)
     return make_backend(args.attn, model, pad_id=tokenizer.pad_id, compile=args.compile,
-                        cuda_graphs=args.cuda_graphs, max_seq_len=longest,
+                        cuda_graphs=args.cuda_graphs, max_seq_len=prompt_tokens + new_tokens,
                         max_batch=args.cfg.prompts_per_step * args.cfg.samples_per_prompt, sampler=args.sampler)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     out = Path(args.out)
+    try:
+        check_out(out, resume=args.resume, overwrite=args.overwrite)  # every rank, before any rank moves it
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         dist, args.device = distributed.init_from_env(args.device)  # torchrun: one GPU (or CPU share) per rank
     except (ValueError, RuntimeError) as e:
@@ -242,32 +305,68 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rc = 1
     try:
-        rc = _train(args, dist, out)
+        rc = _train(args, dist, out, argv)
         return rc
+    except KeyboardInterrupt:  # while loading: nothing was trained, nothing needs saving
+        print("interrupted before training started", file=sys.stderr)
+        return 130
     finally:
         distributed.shutdown(dist, together=rc == 0)
 
 
-def _train(args, dist, out: Path) -> int:
+def _train(args, dist, out: Path, argv: list[str]) -> int:
     try:
+        if dist.is_main:
+            aside = move_aside(out) if args.overwrite else None
+            remove_stale_temps(out / "checkpoints")  # an interrupted save's leftovers
+            print(f"run folder: {out}" + (f" (the run that was there is now {aside})" if aside else ""),
+                  file=sys.stderr)
+        dist.barrier()
         model, tokenizer, train, test, model_dir = (build_smoke if args.preset == "smoke" else build_gsm8k)(args)
+        if nonfinite(model):
+            raise ValueError(f"the weights in {model_dir} hold NaN or inf; train from a sound model")
         backend = build_backend(args, model, tokenizer, train, test)
         # Built before resuming: with --beta > 0 the KL reference is the initial policy, not the checkpoint.
         trainer = Trainer(args.cfg, model, tokenizer, train, backend, out, eval_task=test,
                           tokenizer_dir=model_dir, tensorboard=args.tensorboard, dist=dist)
         if args.resume is not None:
             trainer.resume(args.resume or out)
+            if trainer.step_idx >= args.cfg.steps:
+                raise ValueError(f"the checkpoint is at step {trainer.step_idx} and --steps is {args.cfg.steps}: "
+                                 f"nothing to train; pass a larger --steps to continue")
             if dist.is_main:
                 print(f"resumed from step {trainer.step_idx}", file=sys.stderr)
     except (OSError, ValueError, RuntimeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    history = trainer.run()
+    try:
+        history = trainer.run()
+    except Interrupted as e:
+        if dist.is_main:
+            print(f"{signal.Signals(e.signum).name} at step {e.step}: saved {e.checkpoint}; resume with: "
+                  f"{resume_command(argv)}", file=sys.stderr)
+        return 128 + e.signum
+    except NonFiniteError as e:
+        if dist.is_main:
+            print(f"error: {e}; this step was not saved, {_last_checkpoint(out)}. Lower --lr or --max-grad-norm, "
+                  f"or check the data", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if dist.is_main:
+            resume = f"; resume with: {resume_command(argv)}" if latest_name(out / "checkpoints") else ""
+            print(f"stopped at once; {_last_checkpoint(out)}{resume}", file=sys.stderr)
+        return 130
     if history and dist.is_main:
         first, last = history[0], history[-1]
         print(f"done: {len(history)} steps, reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}; "
               f"metrics in {out / 'metrics.jsonl'}, checkpoints in {out / 'checkpoints'}")
     return 0
+
+
+def _last_checkpoint(out: Path) -> str:
+    """Where the run can continue from, in words."""
+    name = latest_name(out / "checkpoints")
+    return f"the last complete checkpoint is {out / 'checkpoints' / name}" if name else "no checkpoint was written yet"
 
 
 if __name__ == "__main__":

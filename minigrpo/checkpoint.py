@@ -134,11 +134,11 @@ def save_model(model: Qwen2ForCausalLM, out_dir: str | Path, *, tokenizer_dir: s
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).is_file():
                 shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
-    _replace_dir(tmp, out_dir)
+    replace_dir(tmp, out_dir)
     return out_dir
 
 
-def _replace_dir(new: Path, target: Path) -> None:
+def replace_dir(new: Path, target: Path) -> None:
     """Move `new` into place at `target`; an old `target` is removed only after the new one is in place."""
     if target.exists():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")

@@ -1,6 +1,6 @@
 """Greedy evaluation: accuracy of one deterministic completion per example (GSM8K test split by default).
 
-    python -m minigrpo.evaluate --model-dir checkpoints/qwen2.5-0.5b-instruct --limit 200
+    python -m minigrpo.evaluate --model-dir checkpoints/qwen2.5-0.5b-instruct --test-data test.jsonl --limit 200
     python -m minigrpo.evaluate --model-dir runs/gsm8k/checkpoints/step_000200/model --out eval.jsonl
 
 Greedy decoding makes the number a property of the weights alone (no sampling noise), which is what a
@@ -57,8 +57,8 @@ def resolve_model_dir(model_dir: str | Path | None) -> Path:
     if model_dir is not None:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
-            raise SystemExit(f"error: {model_dir} is not a model directory (no config.json); download one with "
-                             f"`python weights/download.py --out {model_dir}`")
+            raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json); download one with "
+                                    f"`python weights/download.py --out {model_dir}`")
         return model_dir
     if not (DEFAULT_DIR / "config.json").is_file() or not any(DEFAULT_DIR.glob("*.safetensors")):
         print(f"no model at {DEFAULT_DIR}: downloading {DEFAULT_REPO} ...", file=sys.stderr)
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="HF model directory to evaluate (default: weights/download.py's directory, downloaded "
                         "when missing)")
     p.add_argument("--test-data", default=None,
-                   help="GSM8K test jsonl (openai/grade-school-math format); default: openai/gsm8k from the Hub")
+                   help="GSM8K test jsonl (openai/grade-school-math format); default: openai/gsm8k from the Hub "
+                        "(needs pyarrow)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N test examples (default all)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="generation budget per answer (default 512)")
     p.add_argument("--batch-size", type=int, default=128, help="prompts generated together (default 128)")
@@ -89,20 +90,22 @@ def main(argv: list[str] | None = None) -> None:
     from minigrpo.checkpoint import load_model
     from minigrpo.gsm8k import load_gsm8k
     from minigrpo.rollout import make_backend
-    from minigrpo.task import GSM8KTask
+    from minigrpo.task import GSM8KTask, prompt_budget
     from minigrpo.tokenizer import Tokenizer
 
-    model_dir = resolve_model_dir(args.model_dir)
     try:
-        examples = load_gsm8k("test", args.test_data)
-        tokenizer = Tokenizer.from_dir(model_dir)
+        model_dir = resolve_model_dir(args.model_dir)
+        task = GSM8KTask(load_gsm8k("test", args.test_data), Tokenizer.from_dir(model_dir))
         dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
         model = load_model(model_dir, dtype=dtype, device=args.device).eval()
+        n = min(len(task), args.limit or len(task))
+        prompt_budget([(task, n)], model.config.max_position_embeddings, args.max_new_tokens)
+        attn = args.attn or ("triton" if model.lm_head.weight.is_cuda else "reference")
+        backend = make_backend(attn, model, pad_id=task.tokenizer.pad_id)
     except (OSError, ValueError, RuntimeError, ImportError) as e:
         raise SystemExit(f"error: {e}") from None
-    attn = args.attn or ("triton" if model.lm_head.weight.is_cuda else "reference")
-    backend = make_backend(attn, model, pad_id=tokenizer.pad_id)
-    res = evaluate(backend, GSM8KTask(examples, tokenizer), stop_ids=tokenizer.stop_ids,
+    tokenizer = task.tokenizer
+    res = evaluate(backend, task, stop_ids=tokenizer.stop_ids,
                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit)
     if args.out is not None:
         with args.out.open("w") as f:

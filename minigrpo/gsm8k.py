@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from minigrpo.verifier import normalize_number
+
 HUB_REPO = "openai/gsm8k"
 HUB_FILES = {"train": "main/train-00000-of-00001.parquet", "test": "main/test-00000-of-00001.parquet"}
 # The Qwen2.5-Math chain-of-thought instruction, verbatim: the phrasing the Qwen2.5 family saw in training.
@@ -23,6 +25,7 @@ class Example:
     question: str
     answer_text: str  # the full reference solution, "#### N" line included
     ground_truth: str  # text after the final "#### ", commas removed, e.g. "1000"
+    source: str = ""  # where it was read, "file:line", for messages about it
 
 
 def parse_ground_truth(answer_text: str) -> str:
@@ -44,11 +47,16 @@ def _make_example(question, answer, where: str) -> Example:
     for key, value in (("question", question), ("answer", answer)):
         if not isinstance(value, str):
             raise ValueError(f"{where}: '{key}' must be a string, got {type(value).__name__}")
+    if not question.strip():
+        raise ValueError(f"{where}: 'question' is empty")
     try:
         truth = parse_ground_truth(answer)
     except ValueError as e:
         raise ValueError(f"{where}: {e} (answer ends with {answer[-60:]!r})") from None
-    return Example(question=question, answer_text=answer, ground_truth=truth)
+    if normalize_number(truth) is None:
+        raise ValueError(f"{where}: the final answer {truth!r} is not a number, so no completion could be "
+                         f"scored correct")
+    return Example(question=question, answer_text=answer, ground_truth=truth, source=where)
 
 
 def load_jsonl(path: str | Path) -> list[Example]:
@@ -57,15 +65,20 @@ def load_jsonl(path: str | Path) -> list[Example]:
     if not path.is_file():
         raise FileNotFoundError(
             f"GSM8K file not found: {path}. Pass the path of a local openai/grade-school-math jsonl "
-            f"(e.g. train.jsonl / test.jsonl from github.com/openai/grade-school-math), or call "
-            f"load_gsm8k(split) with no path to download {HUB_REPO} from the Hugging Face Hub."
+            f"(e.g. train.jsonl / test.jsonl from github.com/openai/grade-school-math), or leave the data "
+            f"flag out to download {HUB_REPO} from the Hugging Face Hub (needs pyarrow)."
         )
     examples = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is reported with its line number
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 f"re-save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
@@ -89,8 +102,8 @@ def _download_parquet(split: str) -> list[Example]:
         import pyarrow.parquet as pq
     except ImportError:
         raise ImportError(
-            f"Reading {HUB_REPO} from the Hub needs pyarrow: `pip install minigrpo[hub-data]`, "
-            f"or pass a local jsonl with load_gsm8k({split!r}, path=...)."
+            f"Reading {HUB_REPO} from the Hub needs pyarrow: `pip install pyarrow` (or `pip install -e "
+            f"'.[hub-data]'`), or pass a local openai/grade-school-math jsonl with --{split}-data FILE."
         ) from None
     from huggingface_hub import hf_hub_download
 
@@ -100,8 +113,8 @@ def _download_parquet(split: str) -> list[Example]:
         raise RuntimeError(
             f"Could not download {HUB_REPO}/{HUB_FILES[split]} from the Hugging Face Hub "
             f"({type(e).__name__}: {e}). If this machine is offline, pass a local openai/grade-school-math "
-            f"jsonl: load_gsm8k({split!r}, path='.../{split}.jsonl')."
-        ) from e
+            f"jsonl with --{split}-data .../{split}.jsonl."
+        ) from None
     table = pq.read_table(local)
     if not {"question", "answer"} <= set(table.column_names):
         raise ValueError(f"{local}: expected columns 'question' and 'answer', found {table.column_names}")

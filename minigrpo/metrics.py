@@ -2,9 +2,10 @@
 TensorBoard, and `samples.jsonl` (a few decoded completions now and then, to read what the policy does);
 and `PhaseTimer`, which measures the time_* keys.
 
-jsonl is the source of truth: append-only, flushed every step, trivially loaded with pandas. On resume,
-records past the resumed step (written by the interrupted run after its last checkpoint) are dropped,
-so the file reads as one uninterrupted run.
+jsonl is the source of truth: append-only, flushed every step, trivially loaded with pandas. A fresh
+logger refuses a folder that already has records (it never deletes them). On resume, records past the
+resumed step (written by the interrupted run after its last checkpoint) are dropped, as is a last line
+that a crash cut short, so the file reads as one uninterrupted run.
 
 Step record keys (rollout statistics are over all B*G completions; entropy and the mismatch keys only over
 the rows that were trained on, since with kl_beta = 0 zero-advantage groups get no forward pass):
@@ -23,6 +24,7 @@ the rows that were trained on, since with kl_beta = 0 zero-advantage groups get 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -30,33 +32,47 @@ import torch
 
 from tqdm import tqdm
 
-# (key, label, format) of what the stdout line shows, in order; keys missing from a record are skipped.
+# (key, label, format, meaning) of what the stdout line shows, in order; keys missing from a record are skipped.
 _LINE = [
-    ("reward_mean", "reward", "{:.3f}"), ("accuracy", "acc", "{:.3f}"), ("zero_spread_frac", "flat", "{:.2f}"),
-    ("completion_len_mean", "len", "{:.0f}"), ("truncated_frac", "trunc", "{:.2f}"), ("loss", "loss", "{:+.4f}"),
-    ("kl", "kl", "{:.4f}"), ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"),
-    ("grad_norm", "gnorm", "{:.3f}"), ("logp_diff_max", "dlogp", "{:.1e}"), ("lr", "lr", "{:.1e}"),
-    ("tokens_per_s", "tok/s", "{:.0f}"), ("time_rollout", "roll", "{:.2f}s"), ("time_logprobs", "lp", "{:.2f}s"),
-    ("time_update", "upd", "{:.2f}s"), ("time_sync", "sync", "{:.3f}s"), ("peak_mem_gb", "mem", "{:.1f}G"),
-    ("eval_accuracy", "EVAL acc", "{:.4f}"),
+    ("reward_mean", "reward", "{:.3f}", None), ("accuracy", "acc", "{:.3f}", "share exactly correct"),
+    ("zero_spread_frac", "flat", "{:.2f}", "share of rows in groups with equal rewards (no gradient)"),
+    ("completion_len_mean", "len", "{:.0f}", "mean completion length"),
+    ("truncated_frac", "trunc", "{:.2f}", "share cut off at --max-new-tokens"), ("loss", "loss", "{:+.4f}", None),
+    ("kl", "kl", "{:.4f}", "k3 KL to the initial policy"),
+    ("clip_frac", "clip", "{:.3f}", "share of tokens clipped"), ("entropy", "ent", "{:.3f}", "entropy per token"),
+    ("grad_norm", "gnorm", "{:.3f}", "gradient norm before clipping"),
+    ("logp_diff_max", "dlogp", "{:.1e}", "max |rollout - trainer| log-prob of a sampled token"),
+    ("lr", "lr", "{:.1e}", None), ("tokens_per_s", "tok/s", "{:.0f}", "completion tokens per second"),
+    ("time_rollout", "roll", "{:.2f}s", "rollout seconds"),
+    ("time_logprobs", "lp", "{:.2f}s", "seconds scoring old / reference log-probs"),
+    ("time_update", "upd", "{:.2f}s", "update seconds"),
+    ("time_sync", "sync", "{:.3f}s", "seconds copying the weights to the rollout engine"),
+    ("peak_mem_gb", "mem", "{:.1f}G", "peak GPU memory"),
+    ("eval_accuracy", "EVAL acc", "{:.4f}", "greedy test accuracy"),
 ]
+LEGEND = "columns: " + "; ".join(f"{label} = {meaning}" for _, label, _, meaning in _LINE if meaning)
 
 
 def format_line(record: dict) -> str:
     parts = [f"step {record['step']}"]
     if record.get("skipped_update"):
         parts.append("(no update: every group had zero advantage)")
-    for key, label, fmt in _LINE:
+    for key, label, fmt, _ in _LINE:
         if record.get(key) is not None:
             parts.append(f"{label} {fmt.format(record[key])}")
     return " | ".join(parts)
 
 
 def _truncate_after(path: Path, step: int) -> None:
+    """Keep the records of steps <= `step`, rewriting the file atomically. A last line without its newline
+    is a write that a crash cut short: dropped."""
     if not path.is_file():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
-    path.write_text("".join(ln + "\n" for ln in lines))
+    lines = path.read_text().split("\n")[:-1]  # complete lines only
+    kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(ln + "\n" for ln in kept))
+    os.replace(tmp, path)
 
 
 class MetricsLogger:
@@ -65,13 +81,17 @@ class MetricsLogger:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path, self.samples_path = self.out_dir / "metrics.jsonl", self.out_dir / "samples.jsonl"
-        if resume_step is None:  # a fresh run starts fresh files
+        if resume_step is None:  # a fresh run never writes over (or after) another run's records
             for p in (self.metrics_path, self.samples_path):
-                p.unlink(missing_ok=True)
+                if p.exists():
+                    raise FileExistsError(f"{p} exists: it holds another run's records; resume that run or "
+                                          f"write to a new folder")
         else:
             for p in (self.metrics_path, self.samples_path):
                 _truncate_after(p, resume_step)
         self.echo = echo
+        if echo:
+            tqdm.write(LEGEND)
         self._tb = None
         if tensorboard:
             try:

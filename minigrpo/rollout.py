@@ -17,6 +17,7 @@ obviously correct, the CPU backend. Since it *is* the policy, there is nothing t
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Protocol
 
 import torch
@@ -82,13 +83,17 @@ def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: st
         raise ValueError(f"unknown attention backend {attn!r}; choose one of {ATTN_BACKENDS}")
     if attn == "reference":
         return ReferenceBackend(model, pad_id)
+    device = next(model.parameters()).device
+    on_cuda = device.type == "cuda"
+    triton_flag = "--attn triton" if attn == "triton" else "--sampler triton" if sampler == "triton" else None
+    if triton_flag and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{triton_flag} runs Triton kernels, which need a CUDA GPU; on the CPU use --attn sdpa "
+                         f"(or set TRITON_INTERPRET=1 to run them, slowly, in Triton's interpreter)")
     try:  # imported here so the trainer runs (with --attn reference) wherever the engine cannot
         from minigrpo.engine import Engine, EngineConfig
     except ImportError as e:
         raise RuntimeError(f"--attn {attn} needs the fast engine (minigrpo/engine.py), which failed to import "
                            f"({e}); use --attn reference") from None
-    device = next(model.parameters()).device
-    on_cuda = device.type == "cuda"
     extra = {k: v for k, v in (("max_seq_len", max_seq_len), ("max_batch", max_batch)) if v is not None}
     cfg = EngineConfig(attn=attn, compile=compile or ("step" if on_cuda else "none"),
                        cuda_graphs=on_cuda if cuda_graphs is None else cuda_graphs,

@@ -9,6 +9,8 @@ The trainer sees a task only through this small interface, so GSM8K and the offl
     task.describe(i) -> dict                   what a human needs to read a logged sample (question, answer)
 
 `correct` is the exact-answer flag behind the accuracy metric; the reward may give partial credit.
+
+`prompt_budget` checks, at load time, that every prompt fits the model with its completion budget.
 """
 
 from __future__ import annotations
@@ -52,4 +54,34 @@ class GSM8KTask:
         return r, r == 1.0
 
     def describe(self, i: int) -> dict:
-        return {"question": self.examples[i].question, "ground_truth": self.examples[i].ground_truth}
+        ex = self.examples[i]
+        return {"question": ex.question, "ground_truth": ex.ground_truth, "source": ex.source}
+
+
+def prompt_budget(tasks: Sequence[tuple[Task, int]], max_positions: int, max_new_tokens: int,
+                  limit: int | None = None) -> int:
+    """The prompt budget in tokens: `limit` (--max-prompt-tokens), by default the longest prompt used.
+
+    `tasks` pairs each task with how many of its first examples the run uses. Every one of those prompts
+    must fit the budget, and the budget plus `max_new_tokens` the model's positions: a longer prompt is
+    refused now, naming how many there are and where the longest is, never truncated or dropped silently
+    (the run trains on exactly the data it was given)."""
+    room = max_positions - max_new_tokens
+    if room < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
+                         f"{max_positions} positions")
+    if limit is not None and limit > room:
+        raise ValueError(f"--max-prompt-tokens {limit} plus {max_new_tokens} new tokens exceeds the model's "
+                         f"{max_positions} positions; use at most {room}")
+    lengths = [(len(task.prompt(i)), task, i) for task, n in tasks for i in range(n)]
+    budget = room if limit is None else limit
+    over = [x for x in lengths if x[0] > budget]
+    if over:
+        longest, task, i = max(over, key=lambda x: x[0])
+        where = task.describe(i).get("source") or f"example {i}"
+        what, fix = ((f"--max-prompt-tokens {limit}", "raise --max-prompt-tokens") if limit is not None else
+                     (f"the {room} tokens that the model's {max_positions} positions leave after {max_new_tokens} "
+                      f"new tokens", "lower --max-new-tokens"))
+        raise ValueError(f"{len(over)} of {len(lengths)} prompts are longer than {what} (longest: {longest} tokens, "
+                         f"{where}); remove or shorten them, or {fix}")
+    return budget if limit is not None else max(n for n, _, _ in lengths)

@@ -8,7 +8,7 @@ with; resuming refuses a different one, except for the settings in RESUMABLE_CHA
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -56,6 +56,11 @@ class TrainConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(self.betas))  # a list from argparse or JSON
+        for f in fields(self):  # argparse's float() takes "inf" and "nan"
+            value = getattr(self, f.name)
+            values = value if isinstance(value, tuple) else (value,)
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
         positive = ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "inner_epochs",
                     "micro_batch_size", "score_batch_size", "steps", "eval_batch_size")
         for name in positive:
@@ -84,8 +89,11 @@ class TrainConfig:
             raise ValueError(f"tis_cap must be >= 1 (a weight of 1 is on-policy), got {self.tis_cap}")
         if not 0.0 < self.eps < 1.0 or (self.eps_high is not None and self.eps_high <= 0):
             raise ValueError(f"need 0 < eps < 1 and eps_high > 0, got eps={self.eps}, eps_high={self.eps_high}")
-        if self.kl_beta < 0 or self.weight_decay < 0 or self.max_grad_norm < 0 or self.lr <= 0:
-            raise ValueError("lr must be > 0 and kl_beta, weight_decay, max_grad_norm >= 0")
+        if not 0 < self.lr < 1:  # AdamW moves every weight by up to ~lr per step: 1 erases a model at once
+            raise ValueError(f"lr must be in (0, 1), got {self.lr}")
+        for name in ("kl_beta", "weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 # Settings that may change when resuming: they do not alter the training trajectory.

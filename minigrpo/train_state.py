@@ -5,9 +5,15 @@
     OUT/checkpoints/latest                         name of the newest complete checkpoint
 
 The model is saved in the policy's own dtype (fp32 master weights), not rounded to bf16: a resumed run
-must start from bit-identical weights to reproduce the uninterrupted one. A checkpoint is assembled in a
-temporary sibling directory and renamed into place when complete, and `latest` is replaced atomically
-after that, so a crash at any moment leaves the previous checkpoint usable.
+must start from bit-identical weights to reproduce the uninterrupted one.
+
+Crash safety: a checkpoint is assembled in a temporary sibling directory (`.step_*.tmp-PID`) and renamed
+into place when complete, and only then is `latest` replaced (also write-then-rename), so `latest` always
+names a complete checkpoint and a crash at any moment leaves the previous one usable. Temporary folders a
+crash leaves behind are removed at the next start (`remove_stale_temps`). Pruning keeps the newest
+checkpoints of this run by step number, counting only steps up to the one just written: checkpoints past
+it are from before a resume that rewound the run (`Trainer.resume` points `latest` back at its checkpoint,
+so `latest` never names a folder that a later save replaces).
 
 The file is read with `torch.load(weights_only=True)`: it holds only tensors and plain Python values
 (the numpy RNG state is stored as lists for that reason), so loading one runs no pickled code.
@@ -23,9 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minigrpo.checkpoint import load_model, save_model
+from minigrpo.checkpoint import load_model, replace_dir, save_model
+from minigrpo.config import ModelConfig
 
 STATE_FILE = "trainer_state.pt"
+# The ModelConfig fields that set the weights' shapes: a checkpoint resumes only into the same architecture.
+_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "tie_word_embeddings")
 LATEST = "latest"
 
 
@@ -50,33 +60,72 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *,
                     tokenizer_dir: str | Path | None = None, keep: int = 0) -> Path:
-    """Write checkpoint `step_{step:06d}` under ckpt_root atomically; keep the newest `keep` (0 = all)."""
+    """Write checkpoint `step_{step:06d}` under ckpt_root atomically, point `latest` at it, and keep the
+    newest `keep` checkpoints up to this step (0 = all). A step that `latest` already names was saved and
+    has not moved since (no step in between): it is not written twice."""
     ckpt_root = Path(ckpt_root)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
+    if latest_name(ckpt_root) == final.name and (final / STATE_FILE).is_file():
+        return final
     tmp = ckpt_root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_model(model, tmp / "model", tokenizer_dir=tokenizer_dir)
     torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
-    if final.exists():  # re-saving a step (e.g. after a resume): the new one replaces it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    latest_tmp = ckpt_root / f".{LATEST}.tmp-{os.getpid()}"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, ckpt_root / LATEST)
+    replace_dir(tmp, final)  # re-saving a step after a resume rewound the run: the new one replaces it
+    set_latest(ckpt_root, final.name)
     if keep > 0:
-        for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
-            shutil.rmtree(old)
+        older = sorted((s, p) for s, p in _steps(ckpt_root) if s <= step)
+        for _, old in older[:-keep]:
+            doomed = ckpt_root / f".{old.name}.pruned-{os.getpid()}"
+            os.replace(old, doomed)  # out of sight at once; a crash mid-delete leaves only a temp folder
+            shutil.rmtree(doomed)
     return final
+
+
+def _steps(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every checkpoint folder under ckpt_root."""
+    return [(int(p.name.removeprefix("step_")), p) for p in ckpt_root.glob("step_*")
+            if p.is_dir() and p.name.removeprefix("step_").isdigit()]
+
+
+def latest_name(ckpt_root: str | Path) -> str | None:
+    """The folder name `latest` holds, or None without one."""
+    path = Path(ckpt_root) / LATEST
+    return path.read_text().strip() if path.is_file() else None
+
+
+def set_latest(ckpt_root: str | Path, name: str) -> None:
+    """Point `latest` at the complete checkpoint `name`, atomically."""
+    tmp = Path(ckpt_root) / f".{LATEST}.tmp-{os.getpid()}"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, Path(ckpt_root) / LATEST)
+
+
+def remove_stale_temps(ckpt_root: str | Path) -> list[str]:
+    """Delete the temporary folders and files an interrupted save or prune left under ckpt_root (their
+    names start with a dot: `latest` never names one). Returns their names. Call only while no process is
+    writing checkpoints there."""
+    stale = sorted(Path(ckpt_root).glob(".step_*")) + sorted(Path(ckpt_root).glob(f".{LATEST}.tmp-*"))
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return [p.name for p in stale]
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory from itself, or from the run's output / checkpoints directory (newest one)."""
     path = Path(path)
     for root in (path, path / "checkpoints"):
-        if (root / LATEST).is_file():
-            return root / (root / LATEST).read_text().strip()
+        name = latest_name(root)
+        if name is not None:
+            if not (root / name / STATE_FILE).is_file():
+                raise FileNotFoundError(f"{root / LATEST} names {name}, which is missing or incomplete; resume "
+                                        f"from a complete checkpoint folder under {root} instead")
+            return root / name
     if (path / STATE_FILE).is_file():
         return path
     raise FileNotFoundError(f"no checkpoint at {path}: expected a checkpoint directory (holding {STATE_FILE}) "
@@ -88,6 +137,12 @@ def load_checkpoint(path: str | Path, model, device: str | torch.device) -> dict
     path = resolve_checkpoint(path)
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"{path} has no {STATE_FILE}; the checkpoint is incomplete")
+    ours, theirs = model.config, ModelConfig.from_json(path / "model" / "config.json")
+    differ = [f"{k} {getattr(theirs, k)} vs {getattr(ours, k)}" for k in _SHAPE
+              if getattr(theirs, k) != getattr(ours, k)]
+    if differ:
+        raise ValueError(f"cannot resume from {path}: its model has another shape than this run's "
+                         f"(checkpoint vs now: {', '.join(differ)}); resume with the model it was trained from")
     saved = load_model(path / "model", dtype=next(model.parameters()).dtype, device=device)
     model.load_state_dict(saved.state_dict())
     state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)

@@ -51,8 +51,9 @@ from minigrpo.metrics import MetricsLogger, PhaseTimer
 from minigrpo.optim import StochasticAdamW
 from minigrpo.sampling import SamplingParams
 from minigrpo.sequences import SequenceBatch, completion_logprobs, pad_rows
+from minigrpo.stopping import Interrupted, NonFiniteError, StopSignals, nonfinite
 from minigrpo.train_config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
-from minigrpo.train_state import load_checkpoint, save_checkpoint
+from minigrpo.train_state import load_checkpoint, resolve_checkpoint, save_checkpoint, set_latest
 
 _ROLLOUT, _SHUFFLE, _ROUND = 0x5A3D, 0x5AFF, 0x5A40  # stream tags for (seed, tag, step, ...) derivation
 SEQ_BUCKET = 64  # a compiled policy's batches are padded to a multiple of this many columns (Trainer._select)
@@ -334,33 +335,44 @@ class Trainer:
         return {f"eval_{k}": v for k, v in res.items() if k != "records"}
 
     def run(self) -> list[dict]:
-        """Train until cfg.steps, logging, evaluating and checkpointing on schedule. Returns the step records."""
+        """Train until cfg.steps, logging, evaluating and checkpointing on schedule. Returns the step records.
+
+        Stops early, raising, on SIGINT / SIGTERM (after the current step and a checkpoint: `Interrupted`)
+        and on a NaN or inf loss or weight (before saving them: `NonFiniteError`); see stopping.py."""
         cfg, main = self.cfg, self.dist.is_main  # rank 0 alone evaluates, logs and saves
         logger = MetricsLogger(self.out_dir, tensorboard=self.tensorboard, echo=self.echo,
                                resume_step=self.step_idx if self.step_idx else None) if main else None
         evaluating = main and self.eval_task is not None and cfg.eval_every
         history = []
+        bar = tqdm(total=cfg.steps, initial=self.step_idx, desc="train", unit="step", disable=None if main else True)
         try:
-            if evaluating and self.step_idx == 0:
-                logger.log({"step": 0, **self.evaluate()})
-            bar = tqdm(total=cfg.steps, initial=self.step_idx, desc="train", unit="step",
-                       disable=None if main else True)
-            while self.step_idx < cfg.steps:
-                m = self.step()
-                done = self.step_idx == cfg.steps
-                if evaluating and (self.step_idx % cfg.eval_every == 0 or done):
-                    m.update(self.evaluate())
-                if main and cfg.sample_every and self.step_idx % cfg.sample_every == 0:
-                    logger.log_samples(self.step_idx, self._samples())
-                if main:
-                    logger.log(m)
-                history.append(m)
-                if (cfg.save_every and self.step_idx % cfg.save_every == 0) or done:
-                    self.save()
-                bar.set_postfix(reward=f"{m['reward_mean']:.3f}")
-                bar.update()
-            bar.close()
+            with StopSignals() as signals:
+                if evaluating and self.step_idx == 0:
+                    logger.log({"step": 0, **self.evaluate()})
+                while self.step_idx < cfg.steps:
+                    signum = int(self.dist.max(torch.tensor(signals.received or 0)))  # any rank's signal stops all
+                    if signum:
+                        raise Interrupted(signum, self.step_idx, self.save())
+                    m = self.step()
+                    bad = nonfinite(self.model, m)
+                    if bad:
+                        if main:
+                            logger.log(m)
+                        raise NonFiniteError(self.step_idx, bad)
+                    done = self.step_idx == cfg.steps
+                    if evaluating and (self.step_idx % cfg.eval_every == 0 or done):
+                        m.update(self.evaluate())
+                    if main and cfg.sample_every and self.step_idx % cfg.sample_every == 0:
+                        logger.log_samples(self.step_idx, self._samples())
+                    if main:
+                        logger.log(m)
+                    history.append(m)
+                    if (cfg.save_every and self.step_idx % cfg.save_every == 0) or done:
+                        self.save()
+                    bar.set_postfix(reward=f"{m['reward_mean']:.3f}")
+                    bar.update()
         finally:
+            bar.close()
             if logger is not None:
                 logger.close()
         return history
@@ -378,7 +390,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- checkpoints
 
     def save(self) -> Path:
-        """Rank 0 writes the checkpoint (the state is replicated); the others wait until it is complete."""
+        """Rank 0 writes the checkpoint (the state is replicated); the others wait until it is complete.
+        Weights with NaN or inf are never saved (NonFiniteError)."""
+        bad = nonfinite(self.model)
+        if bad:
+            raise NonFiniteError(self.step_idx, bad)
         state = {"config": asdict(self.cfg), "optimizer": self.optimizer.state_dict(),
                  "sampler": self.sampler.state_dict()}
         if self.dist.is_main:
@@ -388,8 +404,10 @@ class Trainer:
         return self.out_dir / "checkpoints" / f"step_{self.step_idx:06d}"
 
     def resume(self, path: str | Path) -> None:
-        """Continue from a checkpoint (its directory, or a run directory: the newest one there)."""
-        state = load_checkpoint(path, self.model, self.device)
+        """Continue from a checkpoint (its directory, or a run directory: the newest one there). A checkpoint
+        of this run's own folder rewinds the run to it: `latest` names it again (train_state.py)."""
+        ckpt = resolve_checkpoint(path)
+        state = load_checkpoint(ckpt, self.model, self.device)
         saved = state["config"]
         changed = {f.name: (saved.get(f.name), getattr(self.cfg, f.name)) for f in fields(self.cfg)
                    if f.name not in RESUMABLE_CHANGES and saved.get(f.name) != getattr(self.cfg, f.name)}
@@ -403,3 +421,6 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.step_idx = state["step"]
         self.backend.load_weights(self.model)
+        own = self.out_dir / "checkpoints"
+        if self.dist.is_main and ckpt.parent.resolve() == own.resolve():
+            set_latest(own, ckpt.name)

@@ -130,6 +130,15 @@ def test_random_init_writes_a_loadable_directory(tmp_path):
     assert model.model.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.1)
 
 
+def test_random_init_needs_an_out_and_offline_a_config(tmp_path):
+    r = run_script("--random-init")
+    assert r.returncode == 2 and "--random-init needs --out DIR" in r.stderr
+    r = run_script("--random-init", "--out", str(tmp_path / "m"), env={"HF_HUB_OFFLINE": "1",
+                                                                       "HF_HOME": str(tmp_path / "hf")})
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "cannot reach the Hugging Face Hub" in r.stderr and "--random-init --config CONFIG" in r.stderr
+
+
 def test_download_offline_says_what_to_do(tmp_path):
     r = run_script("--out", str(tmp_path / "m"), env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
     assert r.returncode != 0

@@ -54,7 +54,7 @@ def test_parse_ground_truth_errors():
 
 
 def test_missing_file_says_what_to_do(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not found.*local openai/grade-school-math jsonl.*load_gsm8k"):
+    with pytest.raises(FileNotFoundError, match="not found.*local openai/grade-school-math jsonl.*leave the data flag"):
         load_gsm8k("train", path=tmp_path / "nope.jsonl")
 
 
@@ -89,6 +89,31 @@ def test_non_string_field(tmp_path):
         load_jsonl(path)
 
 
+@pytest.mark.parametrize("question", ["", "  \n"])
+def test_empty_question_is_refused_at_load(tmp_path, question):
+    path = _write(tmp_path, [_rec(), _rec(question=question)])
+    with pytest.raises(ValueError, match=r"data\.jsonl:2: 'question' is empty"):
+        load_jsonl(path)
+
+
+def test_non_numeric_answer_is_refused_at_load(tmp_path):
+    path = _write(tmp_path, [_rec(answer="so\n#### four")])
+    with pytest.raises(ValueError, match=r"data\.jsonl:1: the final answer 'four' is not a number"):
+        load_jsonl(path)
+
+
+def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes((_rec() + "\n").encode() + b'{"question": "caf\xe9?", "answer": "#### 1"}\n')
+    with pytest.raises(ValueError, match=r"data\.jsonl:2: not UTF-8 text \(byte 0xe9 at column 18\)"):
+        load_jsonl(path)
+
+
+def test_examples_know_where_they_were_read(tmp_path):
+    path = _write(tmp_path, [_rec(), "", _rec()])
+    assert [e.source for e in load_jsonl(path)] == [f"{path}:1", f"{path}:3"]
+
+
 def test_empty_file(tmp_path):
     with pytest.raises(ValueError, match="no examples"):
         load_jsonl(_write(tmp_path, []))
@@ -102,7 +127,7 @@ def test_bad_split():
 def test_hub_without_pyarrow_says_how_to_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow...` raise ImportError
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(ImportError, match=r"pip install minigrpo\[hub-data\].*path="):
+    with pytest.raises(ImportError, match=r"needs pyarrow: `pip install pyarrow`.*with --train-data FILE"):
         load_gsm8k("train")
 
 
@@ -115,7 +140,7 @@ def test_hub_offline_says_how_to_pass_a_local_file(monkeypatch):
         raise LocalEntryNotFoundError("offline and not in the cache")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
-    with pytest.raises(RuntimeError, match=r"Could not download openai/gsm8k.*offline.*load_gsm8k\('test', path="):
+    with pytest.raises(RuntimeError, match=r"Could not download openai/gsm8k.*offline.*--test-data \.\.\./test\.jsonl"):
         load_gsm8k("test")
 
 

@@ -33,25 +33,39 @@ def test_smoke_preset_trains_and_writes_metrics(tmp_path):
     assert (tmp_path / "samples.jsonl").read_text().count("\n") > 0
 
 
-def test_help_documents_every_flag():
+def test_help_documents_every_flag_and_each_default_once():
     proc = run(["train.py", "--help"])
     assert proc.returncode == 0
     sys.path.insert(0, str(REPO))
     from train import build_parser
 
-    for action in build_parser()._actions:
+    parser = build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
         assert action.help, f"{action.option_strings} has no help text"
         assert action.option_strings[-1] in proc.stdout
+        text = formatter._expand_help(action)
+        assert text.count("default") <= 1, f"{action.option_strings}: {text}"
+    assert "(default: None)" not in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--preset", "smoke", "--minibatch-size", "7"], "minibatch_size 7 must divide the B*G = 128 rows"),
+    (["--preset", "smoke", "--minibatch-size", "7"], "--minibatch-size 7 must divide the B*G = 128 rows"),
     (["--preset", "smoke", "--model-dir", "x"], "--preset smoke trains its own tiny random model"),
     (["--model-dir", "/nonexistent/model"], "/nonexistent/model is not a model directory"),
+    (["--device", "banana"], "--device banana: not a torch device; use cpu, cuda or cuda:N"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--beta", "nan"], "--beta must be a finite number, got nan"),
+    (["--lr=-1e-3"], "--lr must be in (0, 1), got -0.001"),
+    (["--preset", "smoke", "--out", "README.md"], "--out README.md is a file, not a folder; choose another --out"),
+    (["--preset", "smoke", "--attn", "triton", "--out", "/nonexistent/out"],
+     "--attn triton runs Triton kernels, which need a CUDA GPU; on the CPU use --attn sdpa (or set TRITON_INTERPRET=1 "
+     "to run them, slowly, in Triton's interpreter)"),
 ])
 def test_bad_input_gives_a_message_not_a_traceback(args, message):
-    proc = run(["train.py", *args])
-    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+    proc = run(["train.py", *args], TRITON_INTERPRET="0")  # the tests' Triton interpreter is off, as for a user
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr.splitlines()[-1]
 
 
 def test_offline_without_a_model_explains_what_to_do(tmp_path):
@@ -85,6 +99,42 @@ def test_gsm8k_path_runs_one_step_and_resumes(tmp_path, tiny_qwen_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2]
+
+
+def _small_train_file(tmp_path, lines=3):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join((GSM8K / "train.jsonl").read_text().splitlines(keepends=True)[:lines]))
+    return path
+
+
+def test_a_data_error_is_one_line_at_load_with_file_and_line(tmp_path, tiny_qwen_dir):
+    path = _small_train_file(tmp_path)
+    path.write_text(path.read_text() + '{"question": "", "answer": "#### 1"}\n')
+    proc = run(["train.py", "--model-dir", str(tiny_qwen_dir), "--train-data", str(path), "--eval-every", "0",
+                "--device", "cpu", "--out", str(tmp_path / "run")])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"error: {path}:4: 'question' is empty"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-prompt-tokens", "20", "--max-new-tokens", "3"], "3 of 3 prompts are longer than --max-prompt-tokens 20"),
+    (["--max-new-tokens", "500"], "3 of 3 prompts are longer than the 12 tokens that the model's 512 positions leave after "
+                                  "500 new tokens"),
+])
+def test_prompts_over_the_budget_are_refused_at_start(tmp_path, tiny_qwen_dir, flags, message):
+    path = _small_train_file(tmp_path)
+    proc = run(["train.py", "--model-dir", str(tiny_qwen_dir), "--train-data", str(path), "--eval-every", "0",
+                "--device", "cpu", "--out", str(tmp_path / "run"), *flags])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith(f"error: {message}") and f"{path}:" in last
+
+
+def test_evaluation_without_test_data_says_what_to_pass(tmp_path, tiny_qwen_dir):
+    proc = run(["-m", "minigrpo.evaluate", "--model-dir", str(tiny_qwen_dir), "--device", "cpu"],
+               HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "--test-data" in proc.stderr
 
 
 def test_standalone_evaluation(tmp_path, tiny_qwen_dir):

@@ -1,0 +1,52 @@
+"""A run's output folder (--out): no command deletes another run's files, or mixes two runs in one folder.
+
+A folder "holds a run" once it has any of RUN_FILES. A new run into such a folder is refused; the user
+either continues it (--resume), picks another --out, or passes --overwrite, which moves the old run aside
+to `<out>.old-<time>` and deletes nothing. Resuming a checkpoint from elsewhere into a folder that holds a
+run is refused too, since the folder would then hold the history of two runs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "tensorboard")
+
+
+def run_files(out: Path) -> list[str]:
+    """The RUN_FILES present in `out`: empty when it holds no run (or does not exist)."""
+    return [name for name in RUN_FILES if (out / name).exists()]
+
+
+def check_out(out: Path, *, resume: str | None, overwrite: bool) -> None:
+    """Refuse flags that would delete or mix a run's files, with a message that says what to do instead.
+    `resume` is --resume's value: None without the flag, "" for the newest checkpoint in `out`."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder; choose another --out")
+    found = run_files(out)
+    resumes_out = resume == "" or (resume is not None and Path(resume).resolve().is_relative_to(out.resolve()))
+    if overwrite and resumes_out:
+        raise ValueError("--overwrite moves the run in --out aside, --resume continues it: pass one of them")
+    if not found or overwrite or resumes_out:
+        return
+    held = f"--out {out} already holds a run ({', '.join(found)})"
+    if resume is None:
+        raise ValueError(f"{held}; add --resume to continue it, choose a new --out, or pass --overwrite to move "
+                         f"it aside to {out}.old-<time>")
+    raise ValueError(f"{held}; resuming {resume} into it would mix two runs: choose a new --out")
+
+
+def move_aside(out: Path) -> Path | None:
+    """Rename a run folder to `<out>.old-<time>` (never deleting it); returns the new name, or None when
+    `out` holds no run."""
+    if not run_files(out):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = out.with_name(f"{out.name}.old-{stamp}"), 1
+    while aside.exists():
+        n += 1
+        aside = out.with_name(f"{out.name}.old-{stamp}-{n}")
+    os.rename(out, aside)
+    return aside

@@ -1,0 +1,78 @@
+"""Why a run stops before its last step, and how it stops without losing anything.
+
+Signals: SIGINT (Ctrl-C) and SIGTERM (how clusters preempt jobs) ask the run to stop. `StopSignals`
+turns the first one into a flag, so that the loop finishes the current step, saves a checkpoint and
+raises `Interrupted`; it then restores the previous handlers, so a second signal acts at once (Ctrl-C:
+KeyboardInterrupt) while the last complete checkpoint stays as it was (checkpoints are written atomically).
+
+Non-finite values: a step whose loss or updated weights are NaN or inf stops the run with
+`NonFiniteError` before anything saves those weights.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+from pathlib import Path
+
+import torch
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(Exception):
+    """The run stopped on a signal after saving `checkpoint` at `step`."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path):
+        super().__init__(f"{signal.Signals(signum).name} at step {step}; saved {checkpoint}")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced NaN or inf (`what`); its weights were not saved."""
+
+    def __init__(self, step: int, what: str):
+        super().__init__(f"step {step}: {what}")
+        self.step, self.what = step, what
+
+
+def nonfinite(model: torch.nn.Module, record: dict | None = None) -> str | None:
+    """What is NaN or inf after a step, the loss in `record` or the weights, or None when all is finite."""
+    loss = (record or {}).get("loss")
+    if loss is not None and not math.isfinite(loss):
+        return f"the loss is {loss}"
+    if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():
+        return "the weights hold NaN or inf"
+    return None
+
+
+class StopSignals:
+    """Within `with StopSignals() as s:`, the first SIGINT / SIGTERM only sets `s.received` (its number).
+
+    Handlers can be installed only from the main thread; elsewhere signals keep their usual effect."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received = signum
+        self._restore()
+        # os.write, not print: the signal may have interrupted a print to the same stream.
+        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step to save a checkpoint "
+                    f"(Ctrl-C again stops at once; the last complete checkpoint is kept)\n".encode())
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

@@ -1,0 +1,322 @@
+"""A run's history and last good checkpoint survive any command, crash and interrupt (issue 16).
+
+The interrupt and crash tests run the real train.py in a subprocess, on the smoke preset at a tiny batch
+(4 prompts x 4 samples: a step takes tens of milliseconds, a start about four seconds, mostly `import torch`).
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import random_model, tiny_config
+from minigrpo.metrics import LEGEND, MetricsLogger
+from minigrpo.rollout import ReferenceBackend
+from minigrpo.run_dir import check_out
+from minigrpo.stopping import NonFiniteError
+from minigrpo.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
+from minigrpo.task import prompt_budget
+from minigrpo.train_config import TrainConfig
+from minigrpo.train_state import LATEST, load_checkpoint, resolve_checkpoint, save_checkpoint
+from minigrpo.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["train.py", "--preset", "smoke", "-B", "4", "-G", "4", "--eval-every", "0", "--sample-every", "0"]
+# Keys that measure the machine, not the training: excluded when runs are compared.
+_TIMING = ("time_", "tokens_per_s", "peak_mem", "eval_seconds")
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=_env())
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    """train.py in the background, its stdout and stderr going to `log` (unbuffered)."""
+    with log.open("w") as f:
+        return subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=_env())
+
+
+def wait_for(text: str, log: Path, proc: subprocess.Popen, timeout: float = 120) -> bool:
+    """Poll `log` until it shows `text`; False if the process ended without showing it."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        if proc.poll() is not None:
+            return text in log.read_text()
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no {text!r} after {timeout} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.002)
+    return True
+
+
+def steps(out: Path) -> list[int]:
+    return [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def latest_step(out: Path) -> int:
+    return int((out / "checkpoints" / LATEST).read_text().strip().removeprefix("step_"))
+
+
+# ------------------------------------------------------------------------------------------ output folders
+
+
+def test_a_rerun_into_a_used_out_is_refused_and_overwrite_moves_the_old_run_aside(tmp_path):
+    out = tmp_path / "run"
+    first = run([*SMALL, "--steps", "2", "--out", str(out)])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stderr.startswith(f"run folder: {out}\n")  # said at the start, not only at the end
+    history = (out / "metrics.jsonl").read_text()
+
+    again = run([*SMALL, "--steps", "3", "--out", str(out)])
+    assert again.returncode == 2
+    assert again.stderr == (f"error: --out {out} already holds a run (metrics.jsonl, checkpoints); add --resume to "
+                            f"continue it, choose a new --out, or pass --overwrite to move it aside to "
+                            f"{out}.old-<time>\n")
+    assert (out / "metrics.jsonl").read_text() == history
+
+    nothing_to_do = run([*SMALL, "--steps", "2", "--out", str(out), "--resume"])
+    assert nothing_to_do.returncode == 2
+    assert nothing_to_do.stderr.splitlines()[-1] == ("error: the checkpoint is at step 2 and --steps is 2: nothing to "
+                                                     "train; pass a larger --steps to continue")
+
+    fresh = run([*SMALL, "--steps", "3", "--out", str(out), "--overwrite"])
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    [aside] = tmp_path.glob("run.old-*")
+    assert f"run folder: {out} (the run that was there is now {aside})" in fresh.stderr
+    assert (aside / "metrics.jsonl").read_text() == history and latest_step(aside) == 2
+    assert steps(out) == [1, 2, 3]
+
+
+def test_out_rules(tmp_path):
+    used = tmp_path / "used"
+    (used / "checkpoints").mkdir(parents=True)
+    check_out(tmp_path / "new", resume=None, overwrite=False)
+    check_out(used, resume="", overwrite=False)
+    check_out(used, resume=str(used / "checkpoints" / "step_000002"), overwrite=False)
+    with pytest.raises(ValueError, match="--overwrite moves the run in --out aside, --resume continues it"):
+        check_out(used, resume="", overwrite=True)
+    with pytest.raises(ValueError, match=r"already holds a run \(checkpoints\); resuming .*other.* would mix two"):
+        check_out(used, resume=str(tmp_path / "other"), overwrite=False)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"--out .*file is a file, not a folder; choose another --out"):
+        check_out(tmp_path / "file", resume=None, overwrite=False)
+
+
+def test_a_fresh_logger_never_deletes_records(tmp_path):
+    MetricsLogger(tmp_path, echo=False).log({"step": 1})
+    with pytest.raises(FileExistsError, match="metrics.jsonl exists: it holds another run's records"):
+        MetricsLogger(tmp_path, echo=False)
+    assert steps(tmp_path) == [1]
+
+
+def test_resume_drops_a_record_that_a_crash_cut_short(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "rew')
+    MetricsLogger(tmp_path, resume_step=3, echo=False)
+    assert steps(tmp_path) == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def test_pruning_keeps_this_runs_newest_checkpoints_by_step(tmp_path):
+    root, model = tmp_path / "checkpoints", tiny_policy(13, seed=0)
+    for step in (100, 150):  # a longer run's, before a resume rewound the folder to an earlier step
+        save_checkpoint(root, step, model, {})
+    for step in (10, 20, 30):
+        save_checkpoint(root, step, model, {}, keep=2)
+        assert (root / LATEST).read_text() == f"step_{step:06d}\n"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000020", "step_000030", "step_000100",
+                                                       "step_000150"]
+    assert resolve_checkpoint(tmp_path) == root / "step_000030"
+
+
+def test_latest_naming_a_missing_checkpoint_says_so(tmp_path):
+    root = tmp_path / "checkpoints"
+    save_checkpoint(root, 1, tiny_policy(13, seed=0), {})
+    (root / LATEST).write_text("step_000002\n")
+    with pytest.raises(FileNotFoundError, match=r"latest names step_000002, which is missing or incomplete"):
+        resolve_checkpoint(tmp_path)
+
+
+def test_resume_into_a_model_of_another_shape_is_one_line(tmp_path):
+    save_checkpoint(tmp_path, 1, random_model(tiny_config(layers=2)), {})
+    with pytest.raises(ValueError, match=r"its model has another shape than this run's \(checkpoint vs now: "
+                                         r"num_hidden_layers 2 vs 3\); resume with the model it was trained from"):
+        load_checkpoint(tmp_path, random_model(tiny_config(layers=3)), "cpu")
+
+
+def test_weights_with_nan_are_never_saved(tmp_path):
+    tokenizer = CharTokenizer()
+    model = tiny_policy(tokenizer.vocab_size, seed=0)
+    trainer = Trainer(TrainConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=2), model, tokenizer,
+                      FirstDigitTask(tokenizer, 8, seed=0), ReferenceBackend(model, tokenizer.pad_id), tmp_path,
+                      echo=False)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match="step 0: the weights hold NaN or inf"):
+        trainer.save()
+    assert not (tmp_path / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------------------------------ interrupts and crashes
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_finishes_the_step_saves_and_prints_the_resume_command(tmp_path, sig):
+    out, log = tmp_path / "run", tmp_path / "log"
+    args = [*SMALL, "--steps", "100000", "--save-every", "1000", "--out", str(out)]
+    proc = start(args, log)
+    assert wait_for("step 3 |", log, proc)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == 128 + sig
+    text = log.read_text()
+    assert "Traceback" not in text and LEGEND in text
+    n = latest_step(out)
+    assert n >= 3 and steps(out) == list(range(1, n + 1))
+    assert text.splitlines()[-1] == (f"{sig.name} at step {n}: saved {out}/checkpoints/step_{n:06d}; resume with: "
+                                     f"python {' '.join(args)} --resume")
+
+    stale = [out / "checkpoints" / f".step_{n + 1:06d}.tmp-99999", out / "checkpoints" / f".{LATEST}.tmp-99999"]
+    stale[0].mkdir()
+    stale[1].write_text("x")
+    resumed = run([*SMALL, "--steps", str(n + 2), "--save-every", "1000", "--out", str(out), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step {n}" in resumed.stderr and steps(out) == list(range(1, n + 3))
+    assert not any(p.exists() for p in stale)  # an interrupted save's leftovers go at the next start
+
+
+def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(tmp_path):
+    out, log = tmp_path / "run", tmp_path / "log"
+    # A long evaluation (400 greedy prompts, 2 at a time) in every step: the second Ctrl-C lands inside it.
+    args = [*SMALL, "--eval-every", "1", "--eval-limit", "400", "--eval-batch-size", "2", "--steps", "5",
+            "--save-every", "1", "--out", str(out)]
+    proc = start(args, log)
+    assert wait_for("step 1 |", log, proc)
+    time.sleep(0.3)  # past step 1's checkpoint, into step 2's evaluation
+    proc.send_signal(signal.SIGINT)
+    assert wait_for("SIGINT: stopping after this step", log, proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    text = log.read_text()
+    assert "Traceback" not in text
+    assert text.splitlines()[-1] == (f"stopped at once; the last complete checkpoint is {out}/checkpoints/step_000001; "
+                                     f"resume with: python {' '.join(args)} --resume")
+    state = torch.load(resolve_checkpoint(out) / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 1
+
+
+POISON = """
+import sys, torch, train
+step = torch.optim.AdamW.step
+def poisoned(self, *args, **kwargs):  # the third optimizer step leaves a NaN in the weights
+    out = step(self, *args, **kwargs)
+    poisoned.calls += 1
+    if poisoned.calls == 3:
+        self.param_groups[0]["params"][0].data[0, 0] = float("nan")
+    return out
+poisoned.calls = 0
+torch.optim.AdamW.step = poisoned
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_a_nan_weight_stops_the_run_without_saving_it(tmp_path):
+    out = tmp_path / "run"
+    proc = run(["-c", POISON, *SMALL[1:], "--steps", "20", "--save-every", "1", "--out", str(out)])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    n = latest_step(out) + 1  # the step that went bad, right after the last saved one
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: step {n}: the weights hold NaN or inf; this step was not saved, the last complete checkpoint is "
+        f"{out}/checkpoints/step_{n - 1:06d}. Lower --lr or --max-grad-norm, or check the data")
+    for ckpt in (out / "checkpoints").glob("step_*"):
+        assert all(t.isfinite().all() for t in load_file(ckpt / "model" / "model.safetensors").values())
+
+
+def _comparable(path: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(ln).items() if not any(t in k for t in _TIMING)}
+            for ln in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_path):
+    """20 SIGKILLs, anywhere from start-up to mid-step to mid-checkpoint (every 2 steps), each resumed."""
+    args = [*SMALL, "--steps", "60", "--save-every", "2", "--eval-every", "8", "--eval-limit", "8",
+            "--sample-every", "3"]
+    reference = run([*args, "--out", str(tmp_path / "reference")])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    out, log, rng = tmp_path / "killed", tmp_path / "log", random.Random(16)
+    killed_after = []  # step lines the killed process had printed
+    while len(killed_after) < 20:
+        resumable = (out / "checkpoints" / LATEST).is_file()
+        proc = start([*args, "--out", str(out), "--resume" if resumable else "--overwrite"], log)
+        ahead = rng.randint(0, 3)  # kill within a few steps of the checkpoint it starts from, or at start-up
+        marker = f"step {(latest_step(out) if resumable else 0) + ahead} |" if ahead else "run folder:"
+        if not wait_for(marker, log, proc):
+            break  # the run finished first
+        time.sleep(rng.uniform(0, 0.05))
+        proc.kill()
+        proc.wait()
+        killed_after.append(log.read_text().count("\nstep "))
+    assert len(killed_after) >= 20 and len(set(killed_after)) >= 4, killed_after  # kills at many moments
+    final = run([*args, "--out", str(out), "--resume"])
+    assert final.returncode == 0, final.stderr[-3000:]
+
+    assert _comparable(out / "metrics.jsonl") == _comparable(tmp_path / "reference" / "metrics.jsonl")
+    assert (out / "samples.jsonl").read_text() == (tmp_path / "reference" / "samples.jsonl").read_text()
+    want = load_file(tmp_path / "reference" / "checkpoints" / "step_000060" / "model" / "model.safetensors")
+    got = load_file(out / "checkpoints" / "step_000060" / "model" / "model.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not list((out / "checkpoints").glob(".*"))  # no temporary folder survives the final start
+
+
+# ------------------------------------------------------------------------------------------ prompt budget
+
+
+class _Prompts:
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def prompt(self, i):
+        return [0] * self.lengths[i]
+
+    def describe(self, i):
+        return {"source": f"data.jsonl:{i + 1}"}
+
+
+def test_prompt_budget_defaults_to_the_longest_prompt_used():
+    assert prompt_budget([(_Prompts([5, 9, 7]), 3)], max_positions=64, max_new_tokens=8) == 9
+    assert prompt_budget([(_Prompts([5, 9, 70]), 2)], max_positions=64, max_new_tokens=8) == 9  # 70 is not used
+    assert prompt_budget([(_Prompts([5, 9]), 2)], max_positions=64, max_new_tokens=8, limit=20) == 20
+
+
+def test_prompts_past_the_models_positions_are_refused():
+    with pytest.raises(ValueError, match=r"^2 of 4 prompts are longer than the 56 tokens that the model's 64 "
+                                         r"positions leave after 8 new tokens \(longest: 90 tokens, data.jsonl:3\); "
+                                         r"remove or shorten them, or lower --max-new-tokens$"):
+        prompt_budget([(_Prompts([5, 57, 90, 9]), 4)], max_positions=64, max_new_tokens=8)
+
+
+def test_prompts_past_max_prompt_tokens_are_refused():
+    with pytest.raises(ValueError, match=r"^1 of 2 prompts are longer than --max-prompt-tokens 6 \(longest: 9 "
+                                         r"tokens, data.jsonl:2\); remove or shorten them, or raise "
+                                         r"--max-prompt-tokens$"):
+        prompt_budget([(_Prompts([5, 9]), 2)], max_positions=64, max_new_tokens=8, limit=6)
+    with pytest.raises(ValueError, match=r"--max-prompt-tokens 60 plus 8 new tokens exceeds the model's 64 "
+                                         r"positions; use at most 56"):
+        prompt_budget([(_Prompts([5]), 1)], max_positions=64, max_new_tokens=8, limit=60)

@@ -49,12 +49,15 @@ def train_curve(argv: list[str], sync: bool) -> list[float]:
     return [m["reward_mean"] for m in trainer.run()]
 
 
+def window_mean(rewards: list[float], step: int) -> float:
+    """The mean reward of the WINDOW steps ending at `step` (1-based; fewer steps before step WINDOW)."""
+    window = rewards[max(0, step - WINDOW):step]
+    return sum(window) / len(window)
+
+
 def steps_to_target(rewards: list[float]) -> int | None:
-    """The first step at which the mean reward of the WINDOW steps ending there reaches TARGET, else None."""
-    for step in range(WINDOW, len(rewards) + 1):
-        if sum(rewards[step - WINDOW:step]) / WINDOW >= TARGET:
-            return step
-    return None
+    """The first step whose full window's mean reward reaches TARGET, else None."""
+    return next((s for s in range(WINDOW, len(rewards) + 1) if window_mean(rewards, s) >= TARGET), None)
 
 
 def check(hit: dict[str, int | None]) -> list[str]:
@@ -96,8 +99,7 @@ def main() -> int:
     print("step " + "".join(f"{name:>11}" for name in curves))
     n = max(len(r) for r in curves.values())
     for step in list(range(a.print_every, n, a.print_every)) + [n]:
-        cells = [sum(r[max(0, step - WINDOW):step]) / len(r[max(0, step - WINDOW):step]) for r in curves.values()]
-        print(f"{step:4d} " + "".join(f"{c:11.3f}" for c in cells))
+        print(f"{step:4d} " + "".join(f"{window_mean(r, step):11.3f}" for r in curves.values()))
     print(f"steps to {TARGET}: " + ", ".join(f"{k} {v if v is not None else 'never'}" for k, v in hit.items()))
     print(f"checks: fast and reference reach {TARGET}, within {MAX_RATIO}x in steps; no-sync does not")
     failed = check(hit)

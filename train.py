@@ -40,7 +40,7 @@ PRESETS = {
               "eval_every": 50, "eval_limit": 256, "eval_batch_size": 256, "save_every": 50,
               "sample_every": 25},
     # The learning check's task (bench/learn.py): copy 3 digits, then stop. The same model goes from reward
-    # ~0.1 to >= 0.8 in ~95-125 steps (seeds 0, 1; 1 min on a CPU core). --attn follows --device.
+    # ~0.1 to >= 0.8 in ~95-125 steps (seeds 0, 1; 1-2 minutes on a CPU core). --attn follows --device.
     "learn": {"out": "runs/learn", "device": "cpu", "prompts_per_step": 32, "samples_per_prompt": 8,
               "max_new_tokens": 4, "micro_batch_size": 256, "lr": 1e-3, "steps": 200, "eval_every": 0,
               "save_every": 0, "sample_every": 25},
@@ -170,7 +170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         parser.error(str(e))
     if args.preset != "gsm8k" and args.model_dir is not None:
-        parser.error(f"--preset {args.preset} trains its own tiny random model; drop --model-dir (or use --preset gsm8k)")
+        parser.error(f"--preset {args.preset} trains its own tiny random model; drop --model-dir "
+                     "(or use --preset gsm8k)")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here; use --device cpu")
     if args.tensorboard:

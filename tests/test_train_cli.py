@@ -21,8 +21,9 @@ def run(args, cwd=REPO, timeout=300, **env):
 
 
 @pytest.mark.slow
-def test_smoke_preset_trains_and_writes_metrics(tmp_path):
-    proc = run(["train.py", "--preset", "smoke", "--out", str(tmp_path)])
+@pytest.mark.parametrize("attn", ["reference", "sdpa"])  # sdpa: the engine, its own weights synced every step
+def test_smoke_preset_trains_and_writes_metrics(tmp_path, attn):
+    proc = run(["train.py", "--preset", "smoke", "--attn", attn, "--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(151))  # step 0: evaluation before training

@@ -10,7 +10,8 @@ that a crash cut short, so the file reads as one uninterrupted run.
 Step record keys (rollout statistics are over all B*G completions; entropy and the mismatch keys only over
 the rows that were trained on, since with kl_beta = 0 zero-advantage groups get no forward pass):
   reward_mean/std, accuracy (exactly correct), zero_spread_frac (rows in groups with all-equal rewards),
-  completion_len_mean/max, truncated_frac (no stop token within max_new_tokens), trained_rows,
+  completion_len_mean/max, completion_tokens (in all N completions), truncated_frac (no stop token within
+  max_new_tokens), trained_rows,
   loss (per optimizer step, mean), clip_frac (tokens where the PPO clip bound), kl (k3 to the reference;
   only with kl_beta > 0), entropy (per token, at the sampling temperature), grad_norm (pre-clip, mean over
   optimizer steps), logp_diff_mean/max (|rollout engine log-prob - trainer log-prob| of the sampled tokens:

@@ -54,6 +54,16 @@ class TrainConfig:
     compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference,
                                       # with batches padded to static shapes (Trainer._select)
 
+    @property
+    def rows_per_step(self) -> int:
+        """N = B x G completions per step."""
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def rows_per_minibatch(self) -> int:
+        """M rows per optimizer step: minibatch_size, or all N."""
+        return self.minibatch_size or self.rows_per_step
+
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(self.betas))  # a list from argparse or JSON
         for f in fields(self):  # argparse's float() takes "inf" and "nan"

@@ -1,7 +1,7 @@
 """The Dr. GRPO training loop: rollout -> reward -> advantages -> clipped policy-gradient updates.
 
-One step (`Trainer.step`):
-  1. rollout   B prompts x G samples from the rollout backend, at the sampling temperature / top-p
+One step (`Trainer.step`, which reads as this list; each stage is one call, the plumbing below it):
+  1. rollout   B prompts x G samples from the rollout backend, at the sampling temperature
   2. reward    task.score per completion; A = r - mean of its group (no std division: Dr. GRPO, grpo.py)
   3. filter    with beta = 0, a group whose advantages are all zero has no gradient: its rows are dropped
                before any forward; if no group is left the update is skipped (and logged as such). With
@@ -35,8 +35,9 @@ n kept rows (of this rank), C completion length.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,53 @@ def derive_seeds(seed: int, tag: int, step: int, n: int) -> list[int]:
     """n distinct-in-practice int64 seeds, a pure function of (seed, tag, step)."""
     state = np.random.SeedSequence([seed, tag, step]).generate_state(n, dtype=np.uint64)
     return (state >> np.uint64(1)).astype(np.int64).tolist()
+
+
+@dataclass
+class _Rows:
+    """This rank's n rows to train, and what the update needs of each."""
+    batch: SequenceBatch              # prompt + completion tokens, right-padded (n, T)
+    adv: torch.Tensor                 # advantages (n,)
+    rollout_logp: torch.Tensor        # the sampler's log-probs of the completion tokens (n, C)
+    position: dict[int, int]          # global rollout row -> row of `batch`; empty for a stand-in row
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(n, C) the trained tokens; none for a stand-in row."""
+        return self.batch.mask * bool(self.position)
+
+
+class _UpdateSums:
+    """The update's metrics: summed on the device over micro-batches (no host sync), over ranks at the end."""
+
+    def __init__(self, device):
+        self.loss, self.clip, self.kl, self.tokens = (torch.zeros((), device=device) for _ in range(4))
+        self.norms, self.skipped = [], 0
+
+    def add(self, loss: torch.Tensor, stats: dict, tokens: torch.Tensor) -> None:
+        self.loss += loss.detach()
+        self.clip += stats["clip_frac"] * tokens
+        self.kl += stats["kl"] * tokens
+        self.tokens += tokens
+
+    def stepped(self, norm: torch.Tensor | None) -> None:
+        """An optimizer step with this pre-clip gradient norm, or None for one skipped (NaN or inf gradient)."""
+        if norm is None:
+            self.skipped += 1
+        else:
+            self.norms.append(norm)
+
+    def metrics(self, dist: Dist, with_kl: bool) -> dict:
+        loss, clip, kl, tokens = dist.sum(torch.stack([self.loss, self.clip, self.kl, self.tokens]))
+        tokens = tokens.clamp(min=1)
+        out = {"loss": (loss / max(1, len(self.norms) + self.skipped)).item(), "clip_frac": (clip / tokens).item(),
+               "grad_norm": torch.stack(self.norms).mean().item() if self.norms else None,
+               "optimizer_steps": len(self.norms)}
+        if self.skipped:
+            out["nonfinite_grad_steps"] = self.skipped
+        if with_kl:
+            out["kl"] = (kl / tokens).item()
+        return out
 
 
 def _allow_every_length_bucket(max_positions: int) -> None:
@@ -126,80 +174,215 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- one step
 
     def step(self) -> dict:
-        cfg, dev = self.cfg, self.device
-        B, G, L = cfg.prompts_per_step, cfg.samples_per_prompt, cfg.max_new_tokens
-        N = B * G
+        """One Dr. GRPO step, stages 1-6 of the module doc. Returns its metrics (listed in metrics.py)."""
+        cfg, G = self.cfg, self.cfg.samples_per_prompt
         self.step_idx += 1
-        self.model.train()
-        lr = cfg.lr * lr_factor(self.step_idx - 1, cfg)  # a pure function of the step: no scheduler state
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        timer = PhaseTimer(dev, ("rollout", "reward", "logprobs", "update", "sync"))
+        lr = self._begin_step()
+        timer = PhaseTimer(self.device, ("rollout", "reward", "logprobs", "update", "sync"))
 
-        dist = self.dist  # W ranks; W = 1 without torchrun, where every dist call is the identity
-        examples = dist.shard(self.sampler.next(B))                    # this rank's b = B/W prompts
-        seeds = dist.shard(derive_seeds(cfg.seed, _ROLLOUT, self.step_idx, N))  # and their b*G seeds
-        prompts = [self.task.prompt(i) for i in examples]
-        rollout = self.backend.generate(prompts, G, L, self.params, self.stop_ids, seeds)
-        if len(rollout.tokens) != len(seeds):
-            raise RuntimeError(f"rollout backend returned {len(rollout.tokens)} completions, expected {len(seeds)}")
+        examples, prompts, rollout = self._rollout()                                            # 1. rollout
         timer.lap("rollout")
-
-        scores = [self.task.score(examples[r // G], c) for r, c in enumerate(rollout.tokens)]
-        rewards = torch.tensor([s[0] for s in scores], dtype=torch.float32)              # (R,)
-        adv = group_advantages(rewards, G)                                               # (R,)
-        informative = nonzero_groups(adv, G)                                             # (R,)
-        keep = informative if cfg.kl_beta == 0 else torch.ones_like(informative)        # (R,) step 3
-        kept = keep.nonzero().squeeze(1).tolist()
-        self.last_rollout = {"examples": examples, "completions": rollout.tokens, "rewards": rewards.tolist()}
-        # Rollout statistics over all N rows: each rank's rows, gathered in rank (= global row) order.
-        stats = dist.gather(torch.tensor([[len(c), s[1], not set(c) & set(self.stop_ids)]
-                                          for c, s in zip(rollout.tokens, scores)], dtype=torch.int64))  # (N, 3)
-        all_rewards, all_keep = dist.gather(rewards), dist.gather(keep)                  # (N,), (N,)
-        lens = stats[:, 0].tolist()
-        m = {"step": self.step_idx, "reward_mean": all_rewards.mean().item(),
-             "reward_std": all_rewards.std(0).item(), "accuracy": int(stats[:, 1].sum()) / N,
-             "zero_spread_frac": 1.0 - dist.gather(informative).float().mean().item(),
-             "completion_len_mean": sum(lens) / N, "completion_len_max": max(lens),
-             "truncated_frac": int(stats[:, 2].sum()) / N, "trained_rows": int(all_keep.sum()), "lr": lr}
+        rewards, correct = self._rewards(examples, rollout)                                     # 2. reward (R,)
+        adv = group_advantages(rewards, G)                                                      # (R,)
+        informative = nonzero_groups(adv, G)                                                    # 3. filter (R,)
+        train = informative if cfg.kl_beta == 0 else torch.ones_like(informative)               # (R,)
+        trained = self.dist.gather(train)                                                       # (N,) all ranks
+        m = {"step": self.step_idx, **self._rollout_metrics(rollout, rewards, correct, informative, trained),
+             "lr": lr}
         timer.lap("reward")
 
-        if m["trained_rows"]:  # a rank with no rows of its own still joins every gradient all-reduce
-            rows = kept or [0]  # a stand-in row, trained with zero weight (_update), when this rank has none
-            batch = SequenceBatch.build([prompts[r // G] for r in rows], [rollout.tokens[r] for r in rows],
-                                        pad_id=self.pad_id, stop_ids=self.stop_ids, device=dev)
-            ref_logp = self._score(self.ref, batch)[0] if self.ref is not None else None  # (n, C)
-            if (cfg.minibatch_size or N) == N:  # old log-probs from the first epoch's forward (step 4)
-                old_logp, entropy = None, None
-            else:
-                old_logp, entropy = self._score(self.model, batch, return_entropy=True)  # (n, C) each
+        if not trained.any():  # no group on any rank has a reward spread (and beta = 0): nothing to learn
+            m["skipped_update"] = True
+        else:
+            rows = self._training_rows(prompts, rollout, adv, train)
+            ref_logp, old_logp, entropy = self._reference_and_old_logprobs(rows)               # 4. log-probs
             timer.lap("logprobs")
-            if dev.type == "cuda":  # the update's own peak, above the resident weights and optimizer state
-                peak_before, resident = torch.cuda.max_memory_allocated(dev), torch.cuda.memory_allocated(dev)
-                torch.cuda.reset_peak_memory_stats(dev)
-            sampled = pad_rows([rollout.logprobs[r] for r in rows], batch.C, dev)        # (n, C) pi_rollout
-            update, old_logp, entropy = self._update(batch, old_logp, entropy, ref_logp, sampled,
-                                                     adv[rows].to(dev), kept, all_keep)
+            with self._update_memory(m):
+                update, old_logp, entropy = self._update(rows, old_logp, entropy, ref_logp, trained)  # 5. update
             m.update(update)
             timer.lap("update")
-            if dev.type == "cuda":
-                update_peak = torch.cuda.max_memory_allocated(dev)
-                m.update(peak_mem_update_gb=update_peak / 2**30, update_working_mem_gb=(update_peak - resident) / 2**30,
-                         peak_mem_before_update_gb=peak_before / 2**30)
-            m.update(self._mismatch_metrics(old_logp, sampled, entropy, batch.mask * bool(kept)))
-            self.backend.load_weights(self.model)
+            m.update(self._mismatch_metrics(old_logp, rows.rollout_logp, entropy, rows.mask))
+            self.backend.load_weights(self.model)                                               # 6. weight sync
             timer.lap("sync")
-        else:
-            m["skipped_update"] = True
+        m.update(self._speed_and_memory(timer, m))
+        return m
 
-        m.update({f"time_{k}": v for k, v in timer.times.items()}, time_step=timer.total)
-        m.update(rollout_tokens_per_s=sum(lens) / max(timer.times["rollout"], 1e-9),
-                 tokens_per_s=sum(lens) / max(timer.total, 1e-9),
-                 peak_mem_gb=max(torch.cuda.max_memory_allocated(dev) / 2**30,
-                                 m.get("peak_mem_before_update_gb", 0.0)) if dev.type == "cuda" else 0.0)
-        if cfg.compile_policy:  # the process's torch.compile graphs so far: a step where this grows compiled
+    # ------------------------------------------------------------------------------------------- its stages
+
+    def _begin_step(self) -> float:
+        """Training mode, this step's LR (a pure function of the step: no scheduler state), peak memory reset."""
+        self.model.train()
+        lr = self.cfg.lr * lr_factor(self.step_idx - 1, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return lr
+
+    def _rollout(self):
+        """Stage 1: this rank's b = B/W prompts of the global order and their b*G completions, each sampled
+        from its own seed. Returns (example indices, prompt token lists, Rollout)."""
+        cfg, dist = self.cfg, self.dist  # W ranks; W = 1 without torchrun, where every dist call is the identity
+        examples = dist.shard(self.sampler.next(cfg.prompts_per_step))
+        seeds = dist.shard(derive_seeds(cfg.seed, _ROLLOUT, self.step_idx, cfg.rows_per_step))
+        prompts = [self.task.prompt(i) for i in examples]
+        rollout = self.backend.generate(prompts, cfg.samples_per_prompt, cfg.max_new_tokens, self.params,
+                                        self.stop_ids, seeds)
+        if len(rollout.tokens) != len(seeds):
+            raise RuntimeError(f"rollout backend returned {len(rollout.tokens)} completions, expected {len(seeds)}")
+        return examples, prompts, rollout
+
+    def _rewards(self, examples: list[int], rollout) -> tuple[torch.Tensor, list[bool]]:
+        """Stage 2: the task's reward of each completion (R,), and whether each is exactly correct."""
+        G = self.cfg.samples_per_prompt
+        scores = [self.task.score(examples[r // G], c) for r, c in enumerate(rollout.tokens)]
+        self.last_rollout = {"examples": examples, "completions": rollout.tokens, "rewards": [s[0] for s in scores]}
+        return torch.tensor([s[0] for s in scores], dtype=torch.float32), [s[1] for s in scores]
+
+    def _training_rows(self, prompts, rollout, adv: torch.Tensor, train: torch.Tensor) -> _Rows:
+        """This rank's rows to train, as one right-padded batch with their advantages and sampling log-probs.
+        A rank with none still joins every gradient all-reduce: it gets a stand-in row (trained at weight 0)."""
+        G = self.cfg.samples_per_prompt
+        kept = train.nonzero().squeeze(1).tolist()
+        index = kept or [0]
+        batch = SequenceBatch.build([prompts[r // G] for r in index], [rollout.tokens[r] for r in index],
+                                    pad_id=self.pad_id, stop_ids=self.stop_ids, device=self.device)
+        offset = self.dist.rank * len(train)  # the global index of this rank's first rollout row
+        return _Rows(batch, adv[index].to(self.device), pad_rows([rollout.logprobs[r] for r in index], batch.C,
+                                                                 self.device),
+                     {offset + r: j for j, r in enumerate(kept)})
+
+    def _reference_and_old_logprobs(self, rows: _Rows):
+        """Stage 4: the KL reference's log-probs (beta > 0), and the old policy's with its entropy, (n, C) each.
+        With one minibatch per epoch the old ones come free from the first epoch's forward: None, None."""
+        ref_logp = self._score(self.ref, rows.batch)[0] if self.ref is not None else None
+        if self.cfg.rows_per_minibatch == self.cfg.rows_per_step:
+            return ref_logp, None, None
+        return (ref_logp, *self._score(self.model, rows.batch, return_entropy=True))
+
+    def _update(self, rows: _Rows, old_logp, entropy, ref_logp, trained: torch.Tensor):
+        """Stage 5: K epochs of minibatch AdamW steps. old/ref_logp, entropy (n, C); trained (N,): the step's
+        rows that train, on any rank. Returns (metrics, old_logp, entropy).
+
+        old_logp None (one minibatch per epoch): the first epoch's forward, before any optimizer step, is the
+        old policy's; its log-probs (and entropy) fill old_logp, and its ratios are exactly 1."""
+        fill = old_logp is None
+        if fill:
+            old_logp, entropy = torch.zeros_like(rows.rollout_logp), torch.zeros_like(rows.rollout_logp)
+        sums = _UpdateSums(self.device)
+        for k, epoch, minibatch in self._minibatches(rows, trained):
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro, last, weight in self._micro_batches(minibatch):
+                mb, idx = self._select(rows.batch, micro, self.cfg.micro_batch_size)           # (m, T'), (m,)
+                with self.policy.accumulate(last):  # the last micro-batch's backward all-reduces (DDP)
+                    if fill and epoch == 0:
+                        logp, ent = self.policy(mb, True)                                      # (m, C') each
+                        n, real = len(micro), idx[:len(micro)]
+                        old_logp[real, :mb.C], entropy[real, :mb.C] = logp[:n].detach(), ent[:n]
+                    else:
+                        logp = self.policy(mb)                                                 # (m, C')
+                    loss, stats = self._loss(logp, mb.mask, idx, rows, old_logp, ref_logp)
+                    (loss * weight).backward()
+                if weight:
+                    sums.add(loss, stats, mb.mask.sum())
+            sums.stepped(self._optimizer_step(k))
+        return sums.metrics(self.dist, with_kl=ref_logp is not None), old_logp, entropy
+
+    def _loss(self, logp, mask, idx, rows: _Rows, old_logp, ref_logp):
+        """dr_grpo_loss of one micro-batch, whose rows are `idx` of the per-row tensors: normalised by the whole
+        minibatch, each token weighted by its truncated importance weight against the rollout (unless --no-tis)."""
+        cfg, C = self.cfg, logp.shape[1]
+        old = old_logp[idx, :C]
+        weight = truncated_is_weights(old, rows.rollout_logp[idx, :C], cfg.tis_cap) if cfg.tis else None
+        return dr_grpo_loss(logp, old, rows.adv[idx], mask, eps_low=cfg.eps, eps_high=cfg.eps_high,
+                            ref_logp=ref_logp[idx, :C] if ref_logp is not None else None, beta=cfg.kl_beta,
+                            max_new_tokens=cfg.max_new_tokens, num_sequences=cfg.rows_per_minibatch,
+                            is_weight=weight)
+
+    # ------------------------------------------------------------------------------------------- plumbing
+
+    def _minibatches(self, rows: _Rows, trained: torch.Tensor):
+        """(k, epoch, this rank's rows of the minibatch) for each of the K epochs x N/M minibatches that hold a
+        row to train on any rank. A shared permutation of all ranks' rows draws them, so every rank takes the
+        same optimizer steps; k numbers the minibatch among all of them, skipped ones included."""
+        cfg = self.cfg
+        N, M = cfg.rows_per_step, cfg.rows_per_minibatch
+        for epoch in range(cfg.inner_epochs):
+            order = np.random.default_rng([cfg.seed, _SHUFFLE, self.step_idx, epoch]).permutation(N).tolist()
+            for start in range(0, N, M):
+                drawn = order[start:start + M]
+                if trained[drawn].any():
+                    yield epoch * (N // M) + start // M, epoch, [rows.position[r] for r in drawn if r in rows.position]
+
+    def _micro_batches(self, minibatch: list[int]):
+        """(rows, last, loss weight) of each micro-batch. The weight is DDP's loss scale (1.0, exact, with one
+        rank); a rank with none of the minibatch's rows backwards a stand-in row at weight 0, because DDP
+        needs a backward from every rank."""
+        size = self.cfg.micro_batch_size
+        micro = [minibatch[u:u + size] for u in range(0, len(minibatch), size)]
+        if not micro:
+            yield [0], True, 0.0
+        for u, sub in enumerate(micro):
+            yield sub, u == len(micro) - 1, self.policy.loss_scale
+
+    def _select(self, batch: SequenceBatch, rows: list[int], size: int) -> tuple[SequenceBatch, torch.Tensor]:
+        """`rows` of `batch`, and their index into the per-row tensors (m,). For a compiled policy, padded to
+        `size` rows and T to a multiple of SEQ_BUCKET: static shapes, so each decoder layer compiles once per
+        length bucket and grad mode (see __init__), for up to SEQ_BUCKET - 1 columns and a short last
+        micro-batch of padding. Padding rows have mask 0 and index the first row."""
+        mb = batch.select(rows, n_rows=size, col_multiple=SEQ_BUCKET) if self.cfg.compile_policy else batch.select(rows)
+        return mb, torch.tensor(rows + rows[:1] * (len(mb.prompt_lens) - len(rows)), device=self.device)
+
+    def _optimizer_step(self, k: int) -> torch.Tensor | None:
+        """Clip the gradient and take this update's k-th optimizer step; None, without a step, for a NaN or inf
+        gradient (one bad batch must not poison the weights). Returns the pre-clip gradient norm."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm or float("inf"))
+        finite = bool(torch.isfinite(norm))
+        if finite and isinstance(self.optimizer, StochasticAdamW):  # its rounding noise: a function of (seed, step, k)
+            self.optimizer.step(derive_seeds(self.cfg.seed, _ROUND, self.step_idx, k + 1)[k])
+        elif finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm if finite else None
+
+    @contextlib.contextmanager
+    def _update_memory(self, m: dict):
+        """On CUDA, record in `m` the update's own peak memory, above the resident weights and optimizer state."""
+        dev = self.device
+        if dev.type != "cuda":
+            yield
+            return
+        peak_before, resident = torch.cuda.max_memory_allocated(dev), torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        yield
+        peak = torch.cuda.max_memory_allocated(dev)
+        m.update(peak_mem_update_gb=peak / 2**30, update_working_mem_gb=(peak - resident) / 2**30,
+                 peak_mem_before_update_gb=peak_before / 2**30)
+
+    def _rollout_metrics(self, rollout, rewards, correct, informative, trained) -> dict:
+        """Rollout statistics over all N rows: each rank's rows, gathered in rank (= global row) order."""
+        dist, N = self.dist, self.cfg.rows_per_step
+        stats = dist.gather(torch.tensor([[len(c), ok, not set(c) & set(self.stop_ids)]
+                                          for c, ok in zip(rollout.tokens, correct)], dtype=torch.int64))  # (N, 3)
+        all_rewards, lens = dist.gather(rewards), stats[:, 0]
+        return {"reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std(0).item(),
+                "accuracy": int(stats[:, 1].sum()) / N,
+                "zero_spread_frac": 1.0 - dist.gather(informative).float().mean().item(),
+                "completion_len_mean": int(lens.sum()) / N, "completion_len_max": int(lens.max()),
+                "completion_tokens": int(lens.sum()), "truncated_frac": int(stats[:, 2].sum()) / N,
+                "trained_rows": int(trained.sum())}
+
+    def _speed_and_memory(self, timer: PhaseTimer, step: dict) -> dict:
+        """Seconds per phase, completion tokens per second, the step's peak memory (before and during the
+        update), and the process's compiled graphs so far (a step where this grows compiled)."""
+        dev, tokens = self.device, step["completion_tokens"]
+        peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
+        m = {**{f"time_{k}": v for k, v in timer.times.items()}, "time_step": timer.total,
+             "rollout_tokens_per_s": tokens / max(timer.times["rollout"], 1e-9),
+             "tokens_per_s": tokens / max(timer.total, 1e-9),
+             "peak_mem_gb": max(peak, step.get("peak_mem_before_update_gb", 0.0))}
+        if self.cfg.compile_policy:
             m["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         return m
 
@@ -211,22 +394,13 @@ class Trainer:
         entropy = torch.zeros((n, C), dtype=torch.float32, device=self.device) if return_entropy else None
         for s in range(0, n, self.cfg.score_batch_size):
             rows = list(range(s, min(s + self.cfg.score_batch_size, n)))
-            mb = self._select(batch, rows, self.cfg.score_batch_size)
+            mb, _ = self._select(batch, rows, self.cfg.score_batch_size)
             out = self._logprobs(model, mb, return_entropy)
             lp, ent = out if return_entropy else (out, None)
             logp[s:s + len(rows), :mb.C] = lp[:len(rows)]                # padding rows dropped
             if return_entropy:
                 entropy[s:s + len(rows), :mb.C] = ent[:len(rows)]
         return logp, entropy
-
-    def _select(self, batch: SequenceBatch, rows: list[int], size: int) -> SequenceBatch:
-        """batch.select(rows); for a compiled policy padded to `size` rows and T to a multiple of SEQ_BUCKET.
-
-        Static shapes, so each decoder layer compiles once per length bucket and grad mode, and never again
-        (see __init__). Costs the padding's compute: up to SEQ_BUCKET - 1 columns, and a short last micro-batch."""
-        if not self.cfg.compile_policy:
-            return batch.select(rows)
-        return batch.select(rows, n_rows=size, col_multiple=SEQ_BUCKET)
 
     def _logprobs(self, model, batch: SequenceBatch, return_entropy: bool = False):
         return completion_logprobs(model, batch, temperature=self.cfg.temperature,
@@ -245,86 +419,6 @@ class Trainer:
         maxima = self.dist.max(torch.stack([st["logp_diff_max"], st["tis_ratio_max"]])).tolist()
         return {"entropy": ent, "logp_diff_mean": diff, "logp_diff_max": maxima[0], "mismatch_kl": kl,
                 "tis_weight_mean": weight, "tis_ratio_max": maxima[1], "tis_capped_frac": capped}
-
-    def _update(self, batch, old_logp, entropy, ref_logp, rollout_logp, adv, kept: list[int], all_keep: torch.Tensor):
-        """K epochs of minibatch AdamW steps over the kept rows. adv (n,), old/ref/rollout_logp, entropy (n, C),
-        all_keep (N,).
-
-        old_logp None (one minibatch per epoch): the first epoch's forward, before any optimizer step, is
-        the old policy's; its log-probs (and entropy) fill old_logp, and its ratios are exactly 1.
-        Minibatches are drawn from all ranks' rows, so the ranks take the same optimizer steps. A rank with
-        none of a minibatch's rows backwards a stand-in row at zero weight: DDP needs every rank's backward.
-        Returns (metrics, old_logp, entropy)."""
-        cfg = self.cfg
-        fill = old_logp is None
-        if fill:
-            old_logp = torch.zeros(batch.mask.shape, dtype=torch.float32, device=self.device)  # (n, C)
-            entropy = torch.zeros_like(old_logp)
-        N = cfg.prompts_per_step * cfg.samples_per_prompt
-        M = cfg.minibatch_size or N
-        offset = self.dist.rank * (N // self.dist.world)  # global index of this rank's first rollout row
-        row_of = {offset + r: j for j, r in enumerate(kept)}  # global rollout row -> row of `batch`
-        scale = self.policy.loss_scale
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        zero = torch.zeros((), device=self.device)
-        loss_sum, clip_sum, kl_sum, tok_sum = zero.clone(), zero.clone(), zero.clone(), zero.clone()
-        norms, skipped_nonfinite = [], 0
-        opt_steps = cfg.inner_epochs * (N // M)
-        rounding = derive_seeds(cfg.seed, _ROUND, self.step_idx, opt_steps)  # per optimizer step (optim.py)
-        for epoch in range(cfg.inner_epochs):
-            order = np.random.default_rng([cfg.seed, _SHUFFLE, self.step_idx, epoch]).permutation(N).tolist()
-            for start in range(0, N, M):
-                if not all_keep[order[start:start + M]].any():  # only zero-advantage groups: nothing to learn
-                    continue
-                rows = [row_of[r] for r in order[start:start + M] if r in row_of]
-                micro = [rows[u:u + cfg.micro_batch_size] for u in range(0, len(rows), cfg.micro_batch_size)]
-                self.optimizer.zero_grad(set_to_none=True)
-                for u, sub in enumerate(micro or [[0]]):  # [[0]]: the zero-weight stand-in (docstring)
-                    mb = self._select(batch, sub, cfg.micro_batch_size)
-                    k = len(sub)                                       # real rows; any after them are padding
-                    idx = torch.tensor(sub + sub[:1] * (len(mb.prompt_lens) - k), device=self.device)  # (m,)
-                    with self.policy.accumulate(last=u == max(len(micro), 1) - 1):  # all-reduce on the last
-                        if fill and epoch == 0:
-                            logp, ent = self.policy(mb, True)                            # (m, C') each
-                            old_logp[idx[:k], :mb.C], entropy[idx[:k], :mb.C] = logp[:k].detach(), ent[:k]
-                        else:
-                            logp = self.policy(mb)                                       # (m, C')
-                        old = old_logp[idx, :mb.C]
-                        loss, stats = dr_grpo_loss(
-                            logp, old, adv[idx], mb.mask, eps_low=cfg.eps, eps_high=cfg.eps_high,
-                            ref_logp=ref_logp[idx, :mb.C] if ref_logp is not None else None, beta=cfg.kl_beta,
-                            max_new_tokens=cfg.max_new_tokens, num_sequences=M,
-                            is_weight=truncated_is_weights(old, rollout_logp[idx, :mb.C], cfg.tis_cap)
-                            if cfg.tis else None)
-                        (loss * (scale if micro else 0.0)).backward()  # x 1.0 is exact: W=1 is unchanged
-                    if not micro:
-                        continue
-                    ntok = mb.mask.sum()
-                    loss_sum += loss.detach()
-                    clip_sum += stats["clip_frac"] * ntok
-                    kl_sum += stats["kl"] * ntok
-                    tok_sum += ntok
-                norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
-                if torch.isfinite(norm):
-                    if isinstance(self.optimizer, StochasticAdamW):
-                        k = epoch * (N // M) + start // M
-                        self.optimizer.step(rounding[k])
-                    else:
-                        self.optimizer.step()
-                    norms.append(norm)
-                else:  # one bad batch must not poison the weights: drop its gradient
-                    skipped_nonfinite += 1
-                self.optimizer.zero_grad(set_to_none=True)
-        n_steps = max(1, len(norms) + skipped_nonfinite)
-        loss_sum, clip_sum, kl_sum, tok_sum = self.dist.sum(torch.stack([loss_sum, clip_sum, kl_sum, tok_sum]))
-        out = {"loss": (loss_sum / n_steps).item(), "clip_frac": (clip_sum / tok_sum.clamp(min=1)).item(),
-               "grad_norm": torch.stack(norms).mean().item() if norms else None,
-               "optimizer_steps": len(norms)}
-        if skipped_nonfinite:
-            out["nonfinite_grad_steps"] = skipped_nonfinite
-        if ref_logp is not None:
-            out["kl"] = (kl_sum / tok_sum.clamp(min=1)).item()
-        return out, old_logp, entropy
 
     # ------------------------------------------------------------------------------------------- the loop
 

@@ -53,8 +53,10 @@ def test_every_element_of_an_8b_model_gets_its_own_noise_index(monkeypatch):
     import minigrpo.optim as optim
 
     starts = []
-    monkeypatch.setattr(optim, "_adamw_chunk", lambda w, g, m, v, hyper, seeds, offset: starts.append((offset, w.numel())))
-    params = [torch.nn.Parameter(torch.empty(n, dtype=torch.bfloat16, device="meta")) for n in (2**31 + 3, 2**32, 2**31)]
+    monkeypatch.setattr(optim, "_adamw_chunk",
+                        lambda w, g, m, v, hyper, seeds, offset: starts.append((offset, w.numel())))
+    params = [torch.nn.Parameter(torch.empty(n, dtype=torch.bfloat16, device="meta"))
+              for n in (2**31 + 3, 2**32, 2**31)]
     for p in params:
         p.grad = torch.empty_like(p)
     StochasticAdamW(params, chunk=2**28).step(seed=0)

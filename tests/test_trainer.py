@@ -255,10 +255,10 @@ def test_old_logprobs_from_the_first_epoch_equal_a_separate_scoring_pass(tmp_pat
     trainer, _ = _trainer(model, script, [[4, 5], [6]], tmp_path, micro_batch_size=3, inner_epochs=2)
     real, seen = trainer._update, {}
 
-    def spy(batch, old_logp, entropy, *rest):
+    def spy(rows, old_logp, entropy, *rest):
         assert old_logp is None and entropy is None  # one minibatch per epoch: no separate pass
-        out = real(batch, old_logp, entropy, *rest)
-        seen.update(batch=batch, old=out[1], entropy=out[2])
+        out = real(rows, old_logp, entropy, *rest)
+        seen.update(batch=rows.batch, old=out[1], entropy=out[2])
         return out
 
     trainer._update = spy
@@ -533,7 +533,8 @@ def _assert_gradients_close(got: dict, want: dict, rtol: float) -> None:
         worst = int(diff.argmax())
         tol = rtol * float(g.norm())
         assert float(diff.flatten()[worst]) <= tol, (
-            f"{name}[{worst}]: compiled {float(got[name].flatten()[worst]):.6g} vs eager {float(g.flatten()[worst]):.6g}, "
+            f"{name}[{worst}]: compiled {float(got[name].flatten()[worst]):.6g} vs eager "
+            f"{float(g.flatten()[worst]):.6g}, "
             f"difference {float(diff.flatten()[worst]):.3g} > {rtol} x |grad| = {tol:.3g}")
 
 

@@ -15,17 +15,14 @@ in a prefill, T their padded length, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from minigrpo.decode import DecodeModel, advance, decode_step
+from minigrpo.engine_config import EngineConfig
 from minigrpo.kv_cache import SCRATCH_PAGE, KVCache
 from minigrpo.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from minigrpo.engine import EngineConfig
 
 MAX_STOP_IDS = 8
 

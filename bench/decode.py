@@ -36,7 +36,8 @@ from bench.timing import copy_bandwidth_tbs, time_graph  # noqa: E402
 from bench.workload import gsm8k_prompts, random_qwen  # noqa: E402
 from minigrpo.attention import decode_attention  # noqa: E402
 from minigrpo.decode import advance, decode_step  # noqa: E402
-from minigrpo.engine import Engine, EngineConfig  # noqa: E402
+from minigrpo.engine import Engine  # noqa: E402
+from minigrpo.engine_config import EngineConfig  # noqa: E402
 from minigrpo.sampling import SamplingParams  # noqa: E402
 
 MODES = {"none": ("none", False), "graphs": ("none", True), "step": ("step", False), "step+graphs": ("step", True)}

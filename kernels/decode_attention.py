@@ -41,10 +41,10 @@ MAX_SPLITS = 32
 # Latency is hidden by occupancy rather than deep software pipelining: Triton's pipeliner loads the next
 # block's page ids early but keeps one K/V buffer, so each block waits a memory latency. At D = 64 a
 # program takes ~58 registers/thread and ~20 KiB of shared memory, so ~8 fit on an SM. (A hand
-# double-buffered loop, two K/V tiles in registers, ~128 registers, 4 programs per SM, measured slower:
-# 15.8 against 14.9 us at 256 x 288 on the H200, bench/NOTES.md session 4.) Split until there are 3 per SM.
-# Measured at context 288 on the H200: 256 sequences x 2 KV heads (3.9 per SM) run 14.7 us unsplit and
-# 18.6 us in 2 splits + merge; 64 sequences (1 per SM) run 9.8 us unsplit and 8.9 us in 4 splits.
+# double-buffered loop keeps two K/V tiles in registers, ~128 per thread, so only 4 fit; it is slower.)
+# A split adds the merge kernel and its fp32 partials, which pays only while the GPU is underfilled:
+# 64 sequences x 2 KV heads (1 program per SM) gain from 4 splits, 256 x 2 (3.9 per SM) lose from 2.
+# So split until there are 3 per SM (`bench/attention.py --sweep` times the alternatives).
 PROGRAMS_PER_SM = 3
 LOG2E = 1.4426950408889634
 

@@ -11,19 +11,16 @@ Gumbel-max within that chunk. Here x = logits / T, and two kernels:
 The noise is the reference's, so a sequence draws the same token with either sampler, up to float rounding
 where the target lands on a chunk boundary (the chunk masses are summed in another order) or a tie.
 
-Why it is shaped this way (H200, bf16 logits, 256 x 151936 unless said; sm_90 SASS counts):
-* The previous kernel ran Gumbel-max over the whole vocabulary: a hash and two logs per element, 67
-  instructions, bound by instruction issue at 0.139 ms in the decode step, where the 78 MB of logits need
-  18 us at 4.3 TB/s. Kernel 1 now runs about 13 instructions per element, the reductions included; kernel
-  2 about 100, on 4096 elements per row.
+Why it is shaped this way (bf16 logits, 256 x 151936; instruction counts from the sm_90 SASS):
+* A one-level draw, Gumbel-max over the whole vocabulary, costs a hash and two logs per element (about
+  67 instructions): bound by instruction issue, far above the ~18 us that reading 78 MB of logits needs
+  at an H200's 4.3 TB/s. Kernel 1 runs about 13 instructions per element, the reductions included;
+  kernel 2 about 100, but on 4096 elements per row.
 * A program holds its whole chunk in registers (4096 / 128 threads = 32 values each): the max, then one
-  exp per element for the sum, and all four 16-byte loads of a thread in flight at once. The earlier
-  streaming form (1024 lanes x 4 steps with an online max / sum) took 33.5 us for kernel 1, this 25 us.
+  exp per element for the sum, and all four 16-byte loads of a thread in flight at once. This beats a
+  streaming loop with an online max / sum.
 * Kernel 2 also takes its chunk as one block, with 8 warps: 256 programs are about 2 per SM, and more
-  threads hide the latency of the hash and logs (9.2 us with 4 warps and 4 steps, 6.7 us like this).
-* Measured as CUDA-graph replays over 4 rotating input sets (median): 31 us for both kernels at 256 rows
-  (13 us at 64), where the previous kernel took 119 us (35 us) timed the same way. In the decode step's
-  breakdown, sampling went from 0.139 to 0.044 ms at 256 rows (bench/NOTES.md, session 4).
+  threads hide the latency of the hash and logs.
 * There is no division at temperature 1, the RL default. Dividing by 1 is exact, so the draws do not
   change.
 * The hash keeps the reference's 31-bit values, but computes the low 31 bits of each product in uint32

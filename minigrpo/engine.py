@@ -27,52 +27,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
-from minigrpo.attention import BACKENDS
 from minigrpo.config import ModelConfig
-from minigrpo.decode import SAMPLERS, DecodeModel, sample_tokens
+from minigrpo.decode import DecodeModel, sample_tokens
+from minigrpo.engine_config import EngineConfig
 from minigrpo.generate import Rollout
 from minigrpo.kv_cache import SCRATCH_PAGE, KVCache, OutOfPages
 from minigrpo.model import Qwen2ForCausalLM
 from minigrpo.runner import MAX_STOP_IDS, SlotState, StepRunner
 from minigrpo.sampling import SamplingParams
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    attn: str = "sdpa"              # decode attention backend: eager | sdpa | triton
-    compile: str = "none"           # none | step (torch.compile(fullgraph=True) over the whole decode step)
-    cuda_graphs: bool = False       # capture the step per bucket, and the prefill per padded shape
-    sample_in_graph: bool = True    # sampling + bookkeeping inside the compiled / captured step
-    sampler: str = "torch"          # torch (reference) | triton (fused one-pass kernel, plain temperature)
-    sync_every: int = 8             # decode steps between host syncs (stop detection, compaction)
-    page_size: int = 16
-    max_batch: int = 256            # largest bucket: sequences decoded at once
-    max_seq_len: int = 1024         # prompt + completion, per sequence; sets the block-table width
-    kv_pages: int | None = None     # KV budget in pages; default: kv_memory_fraction of free GPU memory
-    kv_memory_fraction: float = 0.3
-    buckets: tuple[int, ...] = field(default=())  # default: powers of two from 8 up to max_batch
-
-    def __post_init__(self):
-        if self.attn not in BACKENDS:
-            raise ValueError(f"attn must be one of {BACKENDS}, got {self.attn!r}")
-        if self.sampler not in SAMPLERS:
-            raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
-        if self.compile not in ("none", "step"):
-            raise ValueError(f"compile must be 'none' or 'step', got {self.compile!r}")
-        if self.sync_every < 1 or self.max_batch < 1 or self.max_seq_len < 2:
-            raise ValueError("sync_every, max_batch must be >= 1 and max_seq_len >= 2")
-        if self.buckets and (max(self.buckets) != self.max_batch or sorted(set(self.buckets)) != list(self.buckets)):
-            raise ValueError(f"buckets must be increasing and end at max_batch {self.max_batch}, got {self.buckets}")
-
-    def bucket_sizes(self) -> tuple[int, ...]:
-        if self.buckets:
-            return self.buckets
-        sizes = [b for b in (8, 16, 32, 64, 128, 256, 512, 1024) if b < self.max_batch]
-        return tuple(sizes) + (self.max_batch,)
 
 
 class Engine:

@@ -90,7 +90,8 @@ def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: st
         raise ValueError(f"{triton_flag} runs Triton kernels, which need a CUDA GPU; on the CPU use --attn sdpa "
                          f"(or set TRITON_INTERPRET=1 to run them, slowly, in Triton's interpreter)")
     try:  # imported here so the trainer runs (with --attn reference) wherever the engine cannot
-        from minigrpo.engine import Engine, EngineConfig
+        from minigrpo.engine import Engine
+        from minigrpo.engine_config import EngineConfig
     except ImportError as e:
         raise RuntimeError(f"--attn {attn} needs the fast engine (minigrpo/engine.py), which failed to import "
                            f"({e}); use --attn reference") from None

@@ -15,17 +15,14 @@ in a prefill, T their padded length, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from minigrpo.decode import DecodeModel, advance, decode_step
+from minigrpo.engine_config import EngineConfig
 from minigrpo.kv_cache import SCRATCH_PAGE, KVCache
 from minigrpo.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from minigrpo.engine import EngineConfig
 
 MAX_STOP_IDS = 8
 
@@ -111,10 +108,10 @@ class StepRunner:
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """DecodeModel.prefill into the engine's pages -> last-token logits (groups, V).
 
-        Eagerly, the prefill is ~40 small launches per layer, host-bound: 27 ms for 8 GSM8K prompts on an
-        H200, 8% of a 64-sequence rollout. With cuda_graphs it replays a capture of that same eager code,
-        one per padded shape: one launch, and eager's kernels. (Compiled instead, Inductor's fused norms
-        reduce in another order; on fitted bf16 weights that flipped a first token at a 0.002 logit gap.)"""
+        Eagerly, the prefill is ~40 small launches per layer, bound by the host. With cuda_graphs it
+        replays a capture of that same eager code, one per padded shape: one launch, and eager's kernels.
+        It is not compiled: Inductor's fused norms reduce in another order, and the prefill alone picks
+        each sequence's first token, so a bf16 near tie there would depend on the graph mode."""
         kv = self.kv
         if not self.cfg.cuda_graphs:
             return self.model.prefill(ids, lens, slots, kv.k, kv.v)

@@ -7,7 +7,8 @@ import torch
 
 from conftest import random_model, tiny_config
 from minigrpo.decode import decode_step
-from minigrpo.engine import Engine, EngineConfig
+from minigrpo.engine import Engine
+from minigrpo.engine_config import EngineConfig
 from minigrpo.generate import generate
 from minigrpo.kv_cache import OutOfPages
 from minigrpo.runner import pad_prefill

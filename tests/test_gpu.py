@@ -21,7 +21,8 @@ import torch
 
 from bench.workload import gsm8k_prompts, qwen_dir, random_qwen
 from minigrpo.checkpoint import load_model, save_model  # noqa: E402
-from minigrpo.engine import Engine, EngineConfig  # noqa: E402
+from minigrpo.engine import Engine  # noqa: E402
+from minigrpo.engine_config import EngineConfig  # noqa: E402
 from minigrpo.generate import Rollout, generate  # noqa: E402
 from minigrpo.sampling import GREEDY  # noqa: E402
 

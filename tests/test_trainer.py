@@ -84,6 +84,18 @@ def _count_forward_rows(model):
     return rows
 
 
+def _capture_gradients(trainer) -> dict[str, torch.Tensor]:
+    """The gradients the trainer's optimizer steps on, by parameter name (the last step's), filled as it runs."""
+    grads, step = {}, trainer.optimizer.step
+
+    def capture(*args, **kwargs):
+        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    return grads
+
+
 # ------------------------------------------------------------------------------------------ sequence layout
 
 
@@ -170,15 +182,7 @@ def test_only_informative_groups_are_forwarded_and_the_gradient_is_the_full_batc
               6: [[13, STOP], [10, 10, STOP], [14], [15, 16, STOP]]}
     prompts = [[1, 2, 3], [4, 5], [6]]
     trainer, backend = _trainer(model, script, prompts, tmp_path, micro_batch_size=3, max_grad_norm=0.0)
-    rows = _count_forward_rows(model)
-    grads = {}
-    step = trainer.optimizer.step
-
-    def capture(*a, **k):
-        grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
-        return step(*a, **k)
-
-    trainer.optimizer.step = capture
+    rows, grads = _count_forward_rows(model), _capture_gradients(trainer)
     m = trainer.step()
     # 8 informative rows in micro-batches of 3, forwarded once: with one minibatch per epoch the old log-probs
     # come from the update's own forward. The dropped group is never forwarded.
@@ -231,14 +235,7 @@ def test_with_a_kl_term_every_group_trains_and_the_gradient_is_the_full_batch_on
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
     policy = copy.deepcopy(model)
-    rows, grads = _count_forward_rows(model), {}
-    step = trainer.optimizer.step
-
-    def capture(*a, **k):
-        grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
-        return step(*a, **k)
-
-    trainer.optimizer.step = capture
+    rows, grads = _count_forward_rows(model), _capture_gradients(trainer)
     m = trainer.step()
     assert sum(rows) == 12 and m["trained_rows"] == 12 and m["zero_spread_frac"] == pytest.approx(2 / 3)
     want, mean_kl = _full_batch_gradient(policy, trainer, prompts, ref=trainer.ref, beta=0.5)

@@ -47,11 +47,12 @@ from tqdm import tqdm
 from minigrpo.data import EpochSampler
 from minigrpo.distributed import Dist, GradSync
 from minigrpo.evaluate import evaluate
-from minigrpo.grpo import dr_grpo_loss, group_advantages, mismatch_stats, nonzero_groups, truncated_is_weights
+from minigrpo.grpo import dr_grpo_loss, group_advantages, nonzero_groups, truncated_is_weights
 from minigrpo.metrics import MetricsLogger, PhaseTimer
 from minigrpo.optim import StochasticAdamW
 from minigrpo.sampling import SamplingParams
 from minigrpo.sequences import SequenceBatch, completion_logprobs, pad_rows
+from minigrpo.step_metrics import UpdateSums, mismatch_metrics, rollout_metrics, speed_and_memory
 from minigrpo.stopping import Interrupted, NonFiniteError, StopSignals, nonfinite
 from minigrpo.train_config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
 from minigrpo.train_state import load_checkpoint, resolve_checkpoint, save_checkpoint, set_latest
@@ -78,39 +79,6 @@ class _Rows:
     def mask(self) -> torch.Tensor:
         """(n, C) the trained tokens; none for a stand-in row."""
         return self.batch.mask * bool(self.position)
-
-
-class _UpdateSums:
-    """The update's metrics: summed on the device over micro-batches (no host sync), over ranks at the end."""
-
-    def __init__(self, device):
-        self.loss, self.clip, self.kl, self.tokens = (torch.zeros((), device=device) for _ in range(4))
-        self.norms, self.skipped = [], 0
-
-    def add(self, loss: torch.Tensor, stats: dict, tokens: torch.Tensor) -> None:
-        self.loss += loss.detach()
-        self.clip += stats["clip_frac"] * tokens
-        self.kl += stats["kl"] * tokens
-        self.tokens += tokens
-
-    def stepped(self, norm: torch.Tensor | None) -> None:
-        """An optimizer step with this pre-clip gradient norm, or None for one skipped (NaN or inf gradient)."""
-        if norm is None:
-            self.skipped += 1
-        else:
-            self.norms.append(norm)
-
-    def metrics(self, dist: Dist, with_kl: bool) -> dict:
-        loss, clip, kl, tokens = dist.sum(torch.stack([self.loss, self.clip, self.kl, self.tokens]))
-        tokens = tokens.clamp(min=1)
-        out = {"loss": (loss / max(1, len(self.norms) + self.skipped)).item(), "clip_frac": (clip / tokens).item(),
-               "grad_norm": torch.stack(self.norms).mean().item() if self.norms else None,
-               "optimizer_steps": len(self.norms)}
-        if self.skipped:
-            out["nonfinite_grad_steps"] = self.skipped
-        if with_kl:
-            out["kl"] = (kl / tokens).item()
-        return out
 
 
 def _allow_every_length_bucket(max_positions: int) -> None:
@@ -187,8 +155,8 @@ class Trainer:
         informative = nonzero_groups(adv, G)                                                    # 3. filter (R,)
         train = informative if cfg.kl_beta == 0 else torch.ones_like(informative)               # (R,)
         trained = self.dist.gather(train)                                                       # (N,) all ranks
-        m = {"step": self.step_idx, **self._rollout_metrics(rollout, rewards, correct, informative, trained),
-             "lr": lr}
+        m = {"step": self.step_idx, **rollout_metrics(rollout.tokens, rewards, correct, informative, trained,
+                                                     self.stop_ids, self.dist), "lr": lr}
         timer.lap("reward")
 
         if not trained.any():  # no group on any rank has a reward spread (and beta = 0): nothing to learn
@@ -201,10 +169,10 @@ class Trainer:
                 update, old_logp, entropy = self._update(rows, old_logp, entropy, ref_logp, trained)  # 5. update
             m.update(update)
             timer.lap("update")
-            m.update(self._mismatch_metrics(old_logp, rows.rollout_logp, entropy, rows.mask))
+            m.update(mismatch_metrics(old_logp, rows.rollout_logp, entropy, rows.mask, self.cfg.tis_cap, self.dist))
             self.backend.load_weights(self.model)                                               # 6. weight sync
             timer.lap("sync")
-        m.update(self._speed_and_memory(timer, m))
+        m.update(speed_and_memory(timer, m, self.device, compiled=self.cfg.compile_policy))
         return m
 
     # ------------------------------------------------------------------------------------------- its stages
@@ -269,7 +237,7 @@ class Trainer:
         fill = old_logp is None
         if fill:
             old_logp, entropy = torch.zeros_like(rows.rollout_logp), torch.zeros_like(rows.rollout_logp)
-        sums = _UpdateSums(self.device)
+        sums = UpdateSums(self.device)
         for k, epoch, minibatch in self._minibatches(rows, trained):
             self.optimizer.zero_grad(set_to_none=True)
             for micro, last, weight in self._micro_batches(minibatch):
@@ -360,32 +328,6 @@ class Trainer:
         m.update(peak_mem_update_gb=peak / 2**30, update_working_mem_gb=(peak - resident) / 2**30,
                  peak_mem_before_update_gb=peak_before / 2**30)
 
-    def _rollout_metrics(self, rollout, rewards, correct, informative, trained) -> dict:
-        """Rollout statistics over all N rows: each rank's rows, gathered in rank (= global row) order."""
-        dist, N = self.dist, self.cfg.rows_per_step
-        stats = dist.gather(torch.tensor([[len(c), ok, not set(c) & set(self.stop_ids)]
-                                          for c, ok in zip(rollout.tokens, correct)], dtype=torch.int64))  # (N, 3)
-        all_rewards, lens = dist.gather(rewards), stats[:, 0]
-        return {"reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std(0).item(),
-                "accuracy": int(stats[:, 1].sum()) / N,
-                "zero_spread_frac": 1.0 - dist.gather(informative).float().mean().item(),
-                "completion_len_mean": int(lens.sum()) / N, "completion_len_max": int(lens.max()),
-                "completion_tokens": int(lens.sum()), "truncated_frac": int(stats[:, 2].sum()) / N,
-                "trained_rows": int(trained.sum())}
-
-    def _speed_and_memory(self, timer: PhaseTimer, step: dict) -> dict:
-        """Seconds per phase, completion tokens per second, the step's peak memory (before and during the
-        update), and the process's compiled graphs so far (a step where this grows compiled)."""
-        dev, tokens = self.device, step["completion_tokens"]
-        peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
-        m = {**{f"time_{k}": v for k, v in timer.times.items()}, "time_step": timer.total,
-             "rollout_tokens_per_s": tokens / max(timer.times["rollout"], 1e-9),
-             "tokens_per_s": tokens / max(timer.total, 1e-9),
-             "peak_mem_gb": max(peak, step.get("peak_mem_before_update_gb", 0.0))}
-        if self.cfg.compile_policy:
-            m["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        return m
-
     @torch.no_grad()
     def _score(self, model, batch: SequenceBatch, return_entropy: bool = False):
         """Log-probs (and entropy) of every row of `batch` under `model`, micro-batched, no grad. (n, C) each."""
@@ -407,18 +349,6 @@ class Trainer:
                                    chunk_size=self.cfg.logprob_chunk_size, amp_dtype=self.amp_dtype,
                                    return_entropy=return_entropy,
                                    checkpoint_layers=self.cfg.activation_checkpointing)
-
-    def _mismatch_metrics(self, old_logp, rollout_logp, entropy, mask) -> dict:
-        """The policy before the update (pi_old) against the sampler (pi_rollout) on this step's trained tokens,
-        over all ranks: mean and max |log-prob difference|, k3 KL(pi_rollout || pi_old), the TIS weight's mean
-        (as applied, capped), the uncapped ratio's max and the fraction of tokens capped; and the entropy."""
-        st = mismatch_stats(old_logp, rollout_logp, mask, self.cfg.tis_cap)
-        sums = self.dist.sum(torch.stack([mask.sum(), (entropy * mask).sum(), st["logp_diff_sum"],
-                                          st["mismatch_kl_sum"], st["tis_weight_sum"], st["tis_capped"]]))
-        ent, diff, kl, weight, capped = (sums[1:] / sums[0].clamp(min=1)).tolist()   # per trained token
-        maxima = self.dist.max(torch.stack([st["logp_diff_max"], st["tis_ratio_max"]])).tolist()
-        return {"entropy": ent, "logp_diff_mean": diff, "logp_diff_max": maxima[0], "mismatch_kl": kl,
-                "tis_weight_mean": weight, "tis_ratio_max": maxima[1], "tis_capped_frac": capped}
 
     # ------------------------------------------------------------------------------------------- the loop
 

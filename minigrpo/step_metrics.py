@@ -1,0 +1,91 @@
+"""The numbers each training step reports, computed over all ranks: rollout statistics, the update's loss
+and clipping, the rollout/trainer mismatch, and time and memory. metrics.py lists the keys; this module
+computes them, so that the step in trainer.py reads as the algorithm.
+
+Shape legend: R rows of this rank, N = R*W rows of all W ranks, n trained rows of this rank, C completion length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minigrpo.distributed import Dist
+from minigrpo.grpo import mismatch_stats
+from minigrpo.metrics import PhaseTimer
+
+
+def rollout_metrics(completions: list[list[int]], rewards: torch.Tensor, correct: list[bool],
+                    informative: torch.Tensor, trained: torch.Tensor, stop_ids, dist: Dist) -> dict:
+    """Rollout statistics over all N rows: each rank's R rows, gathered in rank (= global row) order.
+    rewards, informative (R,): this rank's; trained (N,): already gathered."""
+    stats = dist.gather(torch.tensor([[len(c), ok, not set(c) & set(stop_ids)]
+                                      for c, ok in zip(completions, correct)], dtype=torch.int64))   # (N, 3)
+    all_rewards, lens, N = dist.gather(rewards), stats[:, 0], len(trained)
+    return {"reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std(0).item(),
+            "accuracy": int(stats[:, 1].sum()) / N,
+            "zero_spread_frac": 1.0 - dist.gather(informative).float().mean().item(),
+            "completion_len_mean": int(lens.sum()) / N, "completion_len_max": int(lens.max()),
+            "completion_tokens": int(lens.sum()), "truncated_frac": int(stats[:, 2].sum()) / N,
+            "trained_rows": int(trained.sum())}
+
+
+class UpdateSums:
+    """The update's metrics: summed on the device over micro-batches (no host sync), over ranks at the end."""
+
+    def __init__(self, device):
+        self.loss, self.clip, self.kl, self.tokens = (torch.zeros((), device=device) for _ in range(4))
+        self.norms, self.skipped = [], 0
+
+    def add(self, loss: torch.Tensor, stats: dict, tokens: torch.Tensor) -> None:
+        """One micro-batch's loss and dr_grpo_loss stats, over `tokens` trained tokens."""
+        self.loss += loss.detach()
+        self.clip += stats["clip_frac"] * tokens
+        self.kl += stats["kl"] * tokens
+        self.tokens += tokens
+
+    def stepped(self, norm: torch.Tensor | None) -> None:
+        """An optimizer step with this pre-clip gradient norm, or None for one skipped (NaN or inf gradient)."""
+        if norm is None:
+            self.skipped += 1
+        else:
+            self.norms.append(norm)
+
+    def metrics(self, dist: Dist, with_kl: bool) -> dict:
+        loss, clip, kl, tokens = dist.sum(torch.stack([self.loss, self.clip, self.kl, self.tokens]))
+        tokens = tokens.clamp(min=1)
+        out = {"loss": (loss / max(1, len(self.norms) + self.skipped)).item(), "clip_frac": (clip / tokens).item(),
+               "grad_norm": torch.stack(self.norms).mean().item() if self.norms else None,
+               "optimizer_steps": len(self.norms)}
+        if self.skipped:
+            out["nonfinite_grad_steps"] = self.skipped
+        if with_kl:
+            out["kl"] = (kl / tokens).item()
+        return out
+
+
+def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,
+                     cap: float, dist: Dist) -> dict:
+    """The policy before the update (pi_old) against the sampler (pi_rollout) on the trained tokens, (n, C)
+    each, over all ranks: mean and max |log-prob difference|, k3 KL(pi_rollout || pi_old), the TIS weight's
+    mean (as applied, capped), the uncapped ratio's max and the fraction of tokens capped; and the entropy."""
+    st = mismatch_stats(old_logp, rollout_logp, mask, cap)
+    sums = dist.sum(torch.stack([mask.sum(), (entropy * mask).sum(), st["logp_diff_sum"], st["mismatch_kl_sum"],
+                                 st["tis_weight_sum"], st["tis_capped"]]))
+    ent, diff, kl, weight, capped = (sums[1:] / sums[0].clamp(min=1)).tolist()   # per trained token
+    maxima = dist.max(torch.stack([st["logp_diff_max"], st["tis_ratio_max"]])).tolist()
+    return {"entropy": ent, "logp_diff_mean": diff, "logp_diff_max": maxima[0], "mismatch_kl": kl,
+            "tis_weight_mean": weight, "tis_ratio_max": maxima[1], "tis_capped_frac": capped}
+
+
+def speed_and_memory(timer: PhaseTimer, step: dict, device: torch.device, compiled: bool) -> dict:
+    """Seconds per phase, completion tokens per second, the step's peak memory (before and during the update),
+    and, for a compiled policy, the process's compiled graphs so far (a step where this grows compiled)."""
+    tokens = step["completion_tokens"]
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    m = {**{f"time_{k}": v for k, v in timer.times.items()}, "time_step": timer.total,
+         "rollout_tokens_per_s": tokens / max(timer.times["rollout"], 1e-9),
+         "tokens_per_s": tokens / max(timer.total, 1e-9),
+         "peak_mem_gb": max(peak, step.get("peak_mem_before_update_gb", 0.0))}
+    if compiled:
+        m["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return m

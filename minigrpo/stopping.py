@@ -2,8 +2,8 @@
 
 Signals: SIGINT (Ctrl-C) and SIGTERM (how clusters preempt jobs) ask the run to stop. `StopSignals`
 turns the first one into a flag, so that the loop finishes the current step, saves a checkpoint and
-raises `Interrupted`; it then restores the previous handlers, so a second signal acts at once (Ctrl-C:
-KeyboardInterrupt) while the last complete checkpoint stays as it was (checkpoints are written atomically).
+raises `Interrupted`; a second signal acts at once (Ctrl-C: KeyboardInterrupt, SIGTERM: the default exit)
+while the last complete checkpoint stays as it was (checkpoints are written atomically).
 
 Non-finite values: a step whose loss or updated weights are NaN or inf stops the run with
 `NonFiniteError` before anything saves those weights.
@@ -67,7 +67,10 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         self.received = signum
-        self._restore()
+        # A second signal acts at once: Ctrl-C raises KeyboardInterrupt, SIGTERM ends the process. Not the
+        # handlers from before: a background job inherits SIGINT ignored, and would ignore the second Ctrl-C.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         # os.write, not print: the signal may have interrupted a print to the same stream.
         os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step to save a checkpoint "
                     f"(Ctrl-C again stops at once; the last complete checkpoint is kept)\n".encode())

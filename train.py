@@ -34,14 +34,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minigrpo import distributed
-from minigrpo.rollout import ATTN_BACKENDS, make_backend
-from minigrpo.run_dir import check_out, move_aside
-from minigrpo.stopping import Interrupted, NonFiniteError, nonfinite
-from minigrpo.task import prompt_budget
-from minigrpo.train_config import WEIGHT_DTYPES, TrainConfig
-from minigrpo.train_state import latest_name, remove_stale_temps
-from minigrpo.trainer import Trainer
+from minigrpo.engine.rollout import ATTN_BACKENDS, make_backend
+from minigrpo.rl import distributed
+from minigrpo.rl.config import WEIGHT_DTYPES, TrainConfig
+from minigrpo.rl.trainer import Trainer
+from minigrpo.run.checkpoints import latest_name, remove_stale_temps
+from minigrpo.run.run_dir import check_out, move_aside
+from minigrpo.run.stopping import Interrupted, NonFiniteError, nonfinite
+from minigrpo.tasks.task import prompt_budget
 
 # --preset sets these defaults; any flag given on the command line still wins.
 PRESETS = {
@@ -254,7 +254,12 @@ def resume_command(argv: list[str]) -> str:
 
 
 def build_smoke(args):
-    from minigrpo.synthetic import CharTokenizer, CopyTask, FirstDigitTask, tiny_policy
+    from minigrpo.tasks.synthetic import (
+        CharTokenizer,
+        CopyTask,
+        FirstDigitTask,
+        tiny_policy,
+    )
 
     # The tiny model's ops are too small to split across threads: with several, OpenMP synchronisation
     # dominates, and on a busy CI machine a step gets 5x slower. One thread is the fastest.
@@ -268,11 +273,11 @@ def build_smoke(args):
 
 
 def build_gsm8k(args):
-    from minigrpo.checkpoint import load_model
-    from minigrpo.evaluate import resolve_model_dir
-    from minigrpo.gsm8k import load_gsm8k
-    from minigrpo.task import GSM8KTask
-    from minigrpo.tokenizer import Tokenizer
+    from minigrpo.model.checkpoint import load_model
+    from minigrpo.model.tokenizer import Tokenizer
+    from minigrpo.rl.evaluate import resolve_model_dir
+    from minigrpo.tasks.gsm8k import load_gsm8k
+    from minigrpo.tasks.task import GSM8KTask
 
     model_dir = resolve_model_dir(args.model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)

@@ -43,7 +43,7 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import kernels.decode_attention as kda  # noqa: E402
 from bench.timing import copy_bandwidth_tbs  # noqa: E402
-from minigrpo.attention import decode_attention, rope_store_torch  # noqa: E402
+from minigrpo.engine.attention import decode_attention, rope_store_torch  # noqa: E402
 
 HQ, HKV, D = 14, 2, 64
 # bf16 on the GPU; the CPU smoke run uses fp16 because Triton's interpreter mishandles bf16 loads.

@@ -34,11 +34,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import copy_bandwidth_tbs, time_graph  # noqa: E402
 from bench.workload import gsm8k_prompts, random_qwen  # noqa: E402
-from minigrpo.attention import decode_attention  # noqa: E402
-from minigrpo.decode import advance, decode_step  # noqa: E402
-from minigrpo.engine import Engine  # noqa: E402
-from minigrpo.engine_config import EngineConfig  # noqa: E402
-from minigrpo.sampling import SamplingParams  # noqa: E402
+from minigrpo.engine.attention import decode_attention  # noqa: E402
+from minigrpo.engine.config import EngineConfig  # noqa: E402
+from minigrpo.engine.decode import advance, decode_step  # noqa: E402
+from minigrpo.engine.engine import Engine  # noqa: E402
+from minigrpo.model.sampling import SamplingParams  # noqa: E402
 
 MODES = {"none": ("none", False), "graphs": ("none", True), "step": ("step", False), "step+graphs": ("step", True)}
 SAMPLING = SamplingParams(temperature=1.0)  # the GRPO rollout setting; the peers sample the same way

@@ -40,9 +40,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.workload import random_qwen  # noqa: E402
-from minigrpo.checkpoint import save_model  # noqa: E402
-from minigrpo.gsm8k import build_messages, load_jsonl  # noqa: E402
-from minigrpo.tokenizer import Tokenizer  # noqa: E402
+from minigrpo.model.checkpoint import save_model  # noqa: E402
+from minigrpo.model.tokenizer import Tokenizer  # noqa: E402
+from minigrpo.tasks.gsm8k import build_messages, load_jsonl  # noqa: E402
 
 IGNORE = -100  # F.cross_entropy's ignore_index: the pads
 

@@ -3,7 +3,7 @@
     python bench/learn.py --out $OUT/learn                                  # CUDA: the fast path as shipped
     python bench/learn.py --device cpu --steps 200 --out /tmp/learn         # CPU: the engine, eager
 
-Three runs, same seeds, same task (copy 3 digits, then stop: minigrpo/synthetic.py's CopyTask), each in a
+Three runs, same seeds, same task (copy 3 digits, then stop: minigrpo/tasks/synthetic.py's CopyTask), each in a
 fresh process so that no run's compiled graphs or GPU state carry into the next:
   fast       the rollout engine as train.py runs it on CUDA: triton decode attention, bf16 engine weights,
              the decode step compiled and captured in CUDA graphs, the fused triton sampler, the compiled
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
-from minigrpo.trainer import Trainer  # noqa: E402
+from minigrpo.rl.trainer import Trainer  # noqa: E402
 
 TARGET, WINDOW, MAX_RATIO = 0.8, 10, 1.5
 ENGINE_FLAGS = {"cuda": ["--attn", "triton", "--compile", "step", "--cuda-graphs", "--sampler", "triton",

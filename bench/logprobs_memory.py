@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from minigrpo.logprobs import token_logprobs
+from minigrpo.rl.logprobs import token_logprobs
 
 
 def naive(hidden, weight, targets):

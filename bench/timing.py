@@ -6,7 +6,7 @@ import statistics
 
 import torch
 
-from minigrpo.runner import capture_graph
+from minigrpo.engine.runner import capture_graph
 
 
 def time_graph(fn, reps: int = 50, inner: int = 8, before=None) -> float:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from minigrpo.config import ModelConfig
-from minigrpo.gsm8k import build_messages, load_jsonl
-from minigrpo.model import Qwen2ForCausalLM, init_weights
-from minigrpo.tokenizer import Tokenizer
+from minigrpo.model.config import ModelConfig
+from minigrpo.model.qwen2 import Qwen2ForCausalLM, init_weights
+from minigrpo.model.tokenizer import Tokenizer
+from minigrpo.tasks.gsm8k import build_messages, load_jsonl
 
 
 def data_dir() -> Path:

@@ -2,7 +2,7 @@
 
     torch.ops.minigrpo.paged_decode_attention(q, k_pool, v_pool, block_table, seq_lens, scale, num_splits=0)
     torch.ops.minigrpo.rope_store(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
-    torch.ops.minigrpo.fused_sample(logits, seeds, counters, temperature)
+    torch.ops.minigrpo.fused_sample(logits, seeds, counters, temperature, chunk)
 
 CUDA tensors run the compiled kernels; with TRITON_INTERPRET=1 set before triton is first imported, CPU
 tensors run them under Triton's interpreter (the CPU tests).

@@ -1,7 +1,7 @@
 """Fused two-level sampling in Triton: one reduction pass over the logits, no (B, V) temporaries.
 
-The PyTorch sampler (`minigrpo.sampling.sample`) is the readable reference, and its module doc explains
-the draw: a vocabulary chunk of SAMPLE_CHUNK indices by inverse CDF over the chunks' softmax masses, then
+The PyTorch sampler (`minigrpo.model.sampling.sample`) is the readable reference, and its module doc explains
+the draw: a vocabulary chunk of `chunk` indices (the reference's chunk, passed in) by inverse CDF over the chunks' softmax masses, then
 Gumbel-max within that chunk. Here x = logits / T, and two kernels:
   1. grid (B, NC): each program reduces one chunk to its max m_c and its sum s_c of exp(x - m_c). No hash,
      no logs: per element a load, a max, one exp and an add.
@@ -32,7 +32,7 @@ Plain temperature sampling only (no top-k / top-p: those need a sort; the refere
 Registered as `torch.ops.minigrpo.fused_sample`, so it is one opaque node inside torch.compile and two
 plain launches inside CUDA graphs.
 
-Shape legend: B rows, V vocabulary, NC = ceil(V / SAMPLE_CHUNK) chunks per row.
+Shape legend: B rows, V vocabulary, NC = ceil(V / chunk) chunks per row.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.decode_attention import INTERPRETED, check_runnable
-from minigrpo.sampling import M31, SAMPLE_CHUNK
+M31 = 0x7FFFFFFF  # the hash's 31-bit mask, and the index of the chunk draw's uniform, as in the reference
 
 
 @triton.jit
 def _mix31(x):
-    # minigrpo.sampling.mix31 on uint32 lanes holding [0, 2^31): (x * c) mod 2^31 only needs the low 31
+    # minigrpo.model.sampling.mix31 on uint32 lanes holding [0, 2^31): (x * c) mod 2^31 only needs the low 31
     # bits of the product, which uint32's defined wrap-around keeps exactly.
     x = x ^ (x >> 16)
     x = (x * tl.full([], 0x7FEB352D, tl.uint32)) & tl.full([], 0x7FFFFFFF, tl.uint32)
@@ -59,7 +59,7 @@ def _mix31(x):
 
 @triton.jit
 def _uniform(key, idx):
-    # minigrpo.sampling.uniform_noise at uint32 indices idx: the top 23 hash bits -> (0, 1).
+    # minigrpo.model.sampling.uniform_noise at uint32 indices idx: the top 23 hash bits -> (0, 1).
     return ((_mix31(_mix31(key ^ idx)) >> 8).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
@@ -118,10 +118,11 @@ def _chunk_draw_kernel(logits_ptr, seeds_ptr, counters_ptr, m_ptr, s_ptr, tok_pt
 
 @triton_op("minigrpo::fused_sample", mutates_args=())
 def fused_sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
-                 temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens (B,) int64 drawn from softmax(logits / temperature) and their log-probs (B,) fp32.
 
-    logits (B, V) fp32/bf16/fp16 with unit stride in V; seeds, counters (B,) int64 on the same device."""
+    logits (B, V) fp32/bf16/fp16 with unit stride in V; seeds, counters (B,) int64 on the same device;
+    chunk: the vocabulary chunk of the two-level draw, a power of two (the caller's chunk)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be (batch, vocab) with contiguous rows, got shape "
                          f"{tuple(logits.shape)} strides {logits.stride()}")
@@ -131,27 +132,29 @@ def fused_sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tens
                          f"and {counters.dtype} {tuple(counters.shape)}")
     if not temperature > 0:
         raise ValueError(f"fused_sample needs temperature > 0 (greedy is an argmax), got {temperature}")
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= 16 (a Triton block), got {chunk}")
     # Every index of every (padded) chunk then fits int32 and stays below M31, the chunk draw's index.
-    if V == 0 or V > M31 + 1 - SAMPLE_CHUNK:
-        raise ValueError(f"vocabulary size must be in [1, 2^31 - {SAMPLE_CHUNK}], got {V}")
+    if V == 0 or V > M31 + 1 - chunk:
+        raise ValueError(f"vocabulary size must be in [1, 2^31 - {chunk}], got {V}")
     check_runnable(logits.device)
-    NC = triton.cdiv(V, SAMPLE_CHUNK)
+    NC = triton.cdiv(V, chunk)
     m = torch.empty(B, NC, dtype=torch.float32, device=logits.device)   # (B, NC) chunk max of x
     s = torch.empty_like(m)                                             # (B, NC) chunk sum of exp(x - m)
     unit_t = temperature == 1.0
     wrap_triton(_chunk_mass_kernel)[(B, NC)](logits, m, s, logits.stride(0), V, temperature, NC=NC,
-                                             CHUNK=SAMPLE_CHUNK, UNIT_T=unit_t, num_warps=4)
+                                             CHUNK=chunk, UNIT_T=unit_t, num_warps=4)
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logp = torch.empty(B, dtype=torch.float32, device=logits.device)
     wrap_triton(_chunk_draw_kernel)[(B,)](logits, seeds, counters, m, s, tokens, logp, logits.stride(0), V,
                                           temperature, NC=NC, NC_P2=triton.next_power_of_2(NC),
-                                          CHUNK=SAMPLE_CHUNK, UNIT_T=unit_t, M31=M31, num_warps=8)
+                                          CHUNK=chunk, UNIT_T=unit_t, M31=M31, num_warps=8)
     return tokens, logp
 
 
 if INTERPRETED:
     # As in decode_attention.py: the interpreter needs real data, so Dynamo gets a shape-only fake.
     @fused_sample.register_fake
-    def _(logits, seeds, counters, temperature):
+    def _(logits, seeds, counters, temperature, chunk):
         B = logits.shape[0]
         return logits.new_empty(B, dtype=torch.int64), logits.new_empty(B, dtype=torch.float32)

@@ -12,8 +12,8 @@ if not torch.cuda.is_available():
     # (torch._dynamo imports it), so it is set here, before any test module is collected.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from minigrpo.config import ModelConfig
-from minigrpo.model import Qwen2ForCausalLM, init_weights
+from minigrpo.model.config import ModelConfig
+from minigrpo.model.qwen2 import Qwen2ForCausalLM, init_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is importable from the tests
 from bench.workload import data_dir  # noqa: E402

@@ -18,8 +18,13 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
-from minigrpo.attention import BACKENDS, decode_attention, rope_store, rope_store_torch  # noqa: E402
-from minigrpo.model import apply_rope, rope_cos_sin  # noqa: E402
+from minigrpo.engine.attention import (  # noqa: E402
+    BACKENDS,
+    decode_attention,
+    rope_store,
+    rope_store_torch,
+)
+from minigrpo.model.qwen2 import apply_rope, rope_cos_sin  # noqa: E402
 
 
 def make_paged_kv(lens, page_size, kv_heads, head_dim, dtype=torch.float32, seed=0, device="cpu"):

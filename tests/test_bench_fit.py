@@ -4,10 +4,10 @@ memorise are learnt."""
 
 import pytest
 import torch
+from conftest import QWEN_DIR, SHARED_DATA, random_model, tiny_config
 
 from bench.fit_gsm8k import IGNORE, batch, chats, fit
-from conftest import QWEN_DIR, SHARED_DATA, random_model, tiny_config
-from minigrpo.tokenizer import Tokenizer
+from minigrpo.model.tokenizer import Tokenizer
 
 
 def test_right_padded_batch_predicts_only_real_tokens():

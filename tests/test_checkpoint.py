@@ -7,10 +7,10 @@ import sys
 
 import pytest
 import torch
+from conftest import QWEN_DIR, random_model, tiny_config
 from safetensors.torch import load_file, save_file
 
-from conftest import QWEN_DIR, random_model, tiny_config
-from minigrpo.checkpoint import CheckpointError, load_model, save_model
+from minigrpo.model.checkpoint import CheckpointError, load_model, save_model
 
 transformers = pytest.importorskip("transformers")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

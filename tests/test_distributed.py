@@ -24,9 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
-from minigrpo.distributed import Dist  # noqa: E402
-from minigrpo.rollout import make_backend  # noqa: E402
-from minigrpo.trainer import Trainer  # noqa: E402
+from minigrpo.engine.rollout import make_backend  # noqa: E402
+from minigrpo.rl.distributed import Dist  # noqa: E402
+from minigrpo.rl.trainer import Trainer  # noqa: E402
 
 ARGS = ["--preset", "smoke", "-B", "4", "-G", "8", "--minibatch-size", "8", "--micro-batch-size", "3", "-K", "2",
         "--steps", "2", "--save-every", "1", "--keep-checkpoints", "0", "--eval-every", "0", "--sample-every", "0",

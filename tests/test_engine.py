@@ -4,15 +4,15 @@ import os
 
 import pytest
 import torch
-
 from conftest import random_model, tiny_config
-from minigrpo.decode import decode_step
-from minigrpo.engine import Engine
-from minigrpo.engine_config import EngineConfig
-from minigrpo.generate import generate
-from minigrpo.kv_cache import OutOfPages
-from minigrpo.runner import pad_prefill
-from minigrpo.sampling import GREEDY, SamplingParams
+
+from minigrpo.engine.config import EngineConfig
+from minigrpo.engine.decode import decode_step
+from minigrpo.engine.engine import Engine
+from minigrpo.engine.kv_cache import OutOfPages
+from minigrpo.engine.runner import pad_prefill
+from minigrpo.model.generate import generate
+from minigrpo.model.sampling import GREEDY, SamplingParams
 
 CFG = tiny_config(tied=False, head_dim=16)  # the Triton kernel needs head_dim >= 16
 STOP = (27, 240)  # greedy: two prompts stop early, one runs to the budget

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from bench.workload import gsm8k_prompts, qwen_dir, random_qwen
-from minigrpo.checkpoint import load_model, save_model  # noqa: E402
-from minigrpo.engine import Engine  # noqa: E402
-from minigrpo.engine_config import EngineConfig  # noqa: E402
-from minigrpo.generate import Rollout, generate  # noqa: E402
-from minigrpo.sampling import GREEDY  # noqa: E402
+from minigrpo.engine.config import EngineConfig  # noqa: E402
+from minigrpo.engine.engine import Engine  # noqa: E402
+from minigrpo.model.checkpoint import load_model, save_model  # noqa: E402
+from minigrpo.model.generate import Rollout, generate  # noqa: E402
+from minigrpo.model.sampling import GREEDY  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 NEW = 64
@@ -246,7 +246,7 @@ def test_engine_greedy_bf16(setup, models, attn, comp, graphs):
 def test_fused_sampler_in_the_compiled_graph_draws_the_reference_samples(setup, models):
     """fp32, plain temperature: the fused Triton sampler inside compile=step + CUDA graphs against the
     eager reference sampler; the same counter-based noise, so the same draws except float-rounding ties."""
-    from minigrpo.sampling import SamplingParams
+    from minigrpo.model.sampling import SamplingParams
     tok, prompts = setup
     ours = models["ours"][torch.float32]
     params, seeds = SamplingParams(temperature=1.0), list(range(100, 100 + 2 * len(prompts)))

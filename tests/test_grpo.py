@@ -5,9 +5,14 @@ import math
 import pytest
 import torch
 
-from minigrpo.grpo import (completion_mask, dr_grpo_loss, group_advantages, mismatch_stats, nonzero_groups,
-                           truncated_is_weights)
-
+from minigrpo.rl.grpo import (
+    completion_mask,
+    dr_grpo_loss,
+    group_advantages,
+    mismatch_stats,
+    nonzero_groups,
+    truncated_is_weights,
+)
 
 # ---------------------------------------------------------------------------------------------- advantages
 

@@ -4,10 +4,17 @@ import json
 import sys
 
 import pytest
-
 from conftest import SHARED_DATA
-from minigrpo.gsm8k import INSTRUCTION, Example, build_messages, load_gsm8k, load_jsonl, parse_ground_truth
-from minigrpo.verifier import normalize_number
+
+from minigrpo.tasks.gsm8k import (
+    INSTRUCTION,
+    Example,
+    build_messages,
+    load_gsm8k,
+    load_jsonl,
+    parse_ground_truth,
+)
+from minigrpo.tasks.verifier import normalize_number
 
 DATA = SHARED_DATA / "gsm8k"
 
@@ -146,9 +153,8 @@ def test_hub_offline_says_how_to_pass_a_local_file(monkeypatch):
 
 def test_hub_parquet_is_read(monkeypatch, tmp_path):
     pa = pytest.importorskip("pyarrow", reason="the hub path needs pyarrow (minigrpo[hub-data])")
-    import pyarrow.parquet as pq
-
     import huggingface_hub
+    import pyarrow.parquet as pq
 
     local = tmp_path / "test-00000-of-00001.parquet"
     pq.write_table(pa.table({"question": ["Q1", "Q2"], "answer": ["x\n#### 3", "y\n#### 1,000"]}), local)

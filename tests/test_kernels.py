@@ -23,10 +23,10 @@ from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from test_attention import make_paged_kv, make_rope_inputs  # noqa: E402
 
 import kernels.decode_attention as kda  # noqa: E402
-from minigrpo.attention import decode_attention, rope_store  # noqa: E402
-from test_attention import make_paged_kv, make_rope_inputs  # noqa: E402
+from minigrpo.engine.attention import decode_attention, rope_store  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # False when something imported triton before the flag above was set (e.g. `pytest other_test.py
@@ -306,14 +306,14 @@ def test_compiled_ops_do_not_copy_the_pool():
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("B", [1, 6, 40])
 def test_fused_sample_draws_what_the_reference_draws(dtype, temperature, B):
-    from minigrpo.sampling import SAMPLE_CHUNK, SamplingParams, sample
+    from minigrpo.model.sampling import SAMPLE_CHUNK, SamplingParams, sample
     g = torch.Generator().manual_seed(7)
     V = 2 * SAMPLE_CHUNK + 1808                        # 3 chunks, the last one partial
     logits = (3 * torch.randn(B, V, generator=g)).to(dtype).to(DEVICE)
     logits[-1, V - 3] = 40.0                           # a sure winner in the last chunk's tail
     seeds = torch.arange(11, 11 + B, device=DEVICE) * 7919
     ctr = torch.randint(0, 1000, (B,), generator=g).to(DEVICE)
-    tok, logp = torch.ops.minigrpo.fused_sample(logits, seeds, ctr, temperature)
+    tok, logp = torch.ops.minigrpo.fused_sample(logits, seeds, ctr, temperature, SAMPLE_CHUNK)
     ref_tok, ref_logp = sample(logits, SamplingParams(temperature=temperature), seeds, ctr)
     assert torch.equal(tok, ref_tok)
     torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=1e-5)
@@ -326,6 +326,8 @@ def test_fused_sample_rejects_bad_input():
     logits = torch.randn(2, 10, device=DEVICE)
     seeds = torch.zeros(2, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="temperature > 0"):
-        torch.ops.minigrpo.fused_sample(logits, seeds, seeds, 0.0)
+        torch.ops.minigrpo.fused_sample(logits, seeds, seeds, 0.0, 4096)
     with pytest.raises(ValueError, match="seeds and counters must be int64"):
-        torch.ops.minigrpo.fused_sample(logits, seeds.int(), seeds, 1.0)
+        torch.ops.minigrpo.fused_sample(logits, seeds.int(), seeds, 1.0, 4096)
+    with pytest.raises(ValueError, match="chunk must be a power of two"):
+        torch.ops.minigrpo.fused_sample(logits, seeds, seeds, 1.0, 1000)

@@ -3,7 +3,7 @@
 import pytest
 
 from bench import learn
-from minigrpo.synthetic import CharTokenizer, CopyTask
+from minigrpo.tasks.synthetic import CharTokenizer, CopyTask
 
 
 def test_copy_task_gives_credit_per_position_and_full_marks_only_for_the_exact_answer():

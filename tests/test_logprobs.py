@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minigrpo.logprobs import VOCAB_SLICE, token_logprobs
+from minigrpo.rl.logprobs import VOCAB_SLICE, token_logprobs
 
 N, T, D, V = 3, 5, 8, 50
 

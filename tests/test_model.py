@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-
 from conftest import random_model, tiny_config
-from minigrpo.config import ConfigError, ModelConfig
+
+from minigrpo.model.config import ConfigError, ModelConfig
 
 transformers = pytest.importorskip("transformers")
 

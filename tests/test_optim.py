@@ -1,11 +1,11 @@
-"""Stochastic rounding and the bf16 AdamW built on it (minigrpo/optim.py)."""
+"""Stochastic rounding and the bf16 AdamW built on it (minigrpo/rl/optim.py)."""
 
 import io
 
 import pytest
 import torch
 
-from minigrpo.optim import StochasticAdamW, round_stochastic
+from minigrpo.rl.optim import StochasticAdamW, round_stochastic
 
 
 def _bf16_neighbours(x: torch.Tensor):
@@ -50,7 +50,7 @@ def test_round_stochastic_noise_does_not_repeat_at_large_indices(period):
 def test_every_element_of_an_8b_model_gets_its_own_noise_index(monkeypatch):
     # Meta tensors: the bookkeeping of an 8B-parameter step without the memory. Each chunk's noise index
     # must start where the previous chunk ended, across parameters, never wrapping.
-    import minigrpo.optim as optim
+    import minigrpo.rl.optim as optim
 
     starts = []
     monkeypatch.setattr(optim, "_adamw_chunk",
@@ -158,7 +158,7 @@ def test_bf16_micro_batch_gradients_are_summed_in_fp32():
     # (0.1..0.24): summed in bf16, each small one rounds away against the running sum, and 15 of them are
     # lost. GradSync sums in fp32 and rounds twice at the end: within bf16's unit roundoff u = 2^-8 of the
     # sum of the first 15 micro-batches, and of the result.
-    from minigrpo.distributed import Dist, GradSync
+    from minigrpo.rl.distributed import Dist, GradSync
 
     g = torch.Generator().manual_seed(0)
     grads = [(64 + 64 * torch.rand(4096, generator=g)).bfloat16()]

@@ -15,18 +15,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_model, tiny_config
 from safetensors.torch import load_file
 
-from conftest import random_model, tiny_config
-from minigrpo.metrics import LEGEND, MetricsLogger
-from minigrpo.rollout import ReferenceBackend
-from minigrpo.run_dir import check_out
-from minigrpo.stopping import NonFiniteError
-from minigrpo.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
-from minigrpo.task import prompt_budget
-from minigrpo.train_config import TrainConfig
-from minigrpo.train_state import LATEST, load_checkpoint, resolve_checkpoint, save_checkpoint
-from minigrpo.trainer import Trainer
+from minigrpo.engine.rollout import ReferenceBackend
+from minigrpo.rl.config import TrainConfig
+from minigrpo.rl.trainer import Trainer
+from minigrpo.run.checkpoints import (
+    LATEST,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from minigrpo.run.metrics import LEGEND, MetricsLogger
+from minigrpo.run.run_dir import check_out
+from minigrpo.run.stopping import NonFiniteError
+from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
+from minigrpo.tasks.task import prompt_budget
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["train.py", "--preset", "smoke", "-B", "4", "-G", "4", "--eval-every", "0", "--sample-every", "0"]

@@ -1,4 +1,4 @@
-"""minigrpo.tokenizer against the reference: transformers' AutoTokenizer + the published Jinja chat template.
+"""minigrpo.model.tokenizer against the reference: transformers' AutoTokenizer + the published Jinja chat template.
 
 Needs the Qwen2.5-0.5B-Instruct tokenizer files beside the repo (skipped cleanly otherwise); the comparisons
 with transformers are skipped if it is not installed. The tokenizer is loaded once per module.
@@ -9,9 +9,9 @@ import shutil
 import warnings
 
 import pytest
-
 from conftest import SHARED_DATA
-from minigrpo.tokenizer import Tokenizer
+
+from minigrpo.model.tokenizer import Tokenizer
 
 DATA = SHARED_DATA
 QWEN_DIR = DATA / "qwen2.5-0.5b-instruct"

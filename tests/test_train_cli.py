@@ -1,4 +1,4 @@
-"""train.py and `python -m minigrpo.evaluate` as a user runs them: subprocesses, exit codes, files, messages."""
+"""train.py and `python -m minigrpo.rl.evaluate` as a user runs them: subprocesses, exit codes, files, messages."""
 
 import json
 import os
@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import QWEN_DIR, SHARED_DATA, random_model, tiny_config
-from minigrpo.checkpoint import save_model
+
+from minigrpo.model.checkpoint import save_model
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = SHARED_DATA / "gsm8k"
@@ -132,7 +132,7 @@ def test_prompts_over_the_budget_are_refused_at_start(tmp_path, tiny_qwen_dir, f
 
 
 def test_evaluation_without_test_data_says_what_to_pass(tmp_path, tiny_qwen_dir):
-    proc = run(["-m", "minigrpo.evaluate", "--model-dir", str(tiny_qwen_dir), "--device", "cpu"],
+    proc = run(["-m", "minigrpo.rl.evaluate", "--model-dir", str(tiny_qwen_dir), "--device", "cpu"],
                HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "--test-data" in proc.stderr
@@ -140,7 +140,7 @@ def test_evaluation_without_test_data_says_what_to_pass(tmp_path, tiny_qwen_dir)
 
 def test_standalone_evaluation(tmp_path, tiny_qwen_dir):
     out = tmp_path / "eval.jsonl"
-    proc = run(["-m", "minigrpo.evaluate", "--model-dir", str(tiny_qwen_dir), "--test-data",
+    proc = run(["-m", "minigrpo.rl.evaluate", "--model-dir", str(tiny_qwen_dir), "--test-data",
                 str(GSM8K / "test.jsonl"), "--limit", "3", "--max-new-tokens", "4", "--device", "cpu",
                 "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]

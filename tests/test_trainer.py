@@ -6,18 +6,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import QWEN_DIR, random_model, tiny_config
-from minigrpo.data import EpochSampler
-from minigrpo.evaluate import evaluate
-from minigrpo.generate import Rollout, generate
-from minigrpo.metrics import MetricsLogger
-from minigrpo.rollout import ReferenceBackend
-from minigrpo.sampling import SamplingParams
-from minigrpo.sequences import SequenceBatch, completion_logprobs, pad_rows
-from minigrpo.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
-from minigrpo.train_config import WEIGHT_DTYPES, TrainConfig, lr_factor
-from minigrpo.trainer import Trainer
+
+from minigrpo.engine.rollout import ReferenceBackend
+from minigrpo.model.generate import Rollout, generate
+from minigrpo.model.sampling import SamplingParams
+from minigrpo.rl.config import WEIGHT_DTYPES, TrainConfig, lr_factor
+from minigrpo.rl.data import EpochSampler
+from minigrpo.rl.evaluate import evaluate
+from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
+from minigrpo.rl.trainer import Trainer
+from minigrpo.run.metrics import MetricsLogger
+from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
 
 STOP, PAD = 31, 0
 
@@ -384,8 +384,8 @@ def test_keep_checkpoints_prunes_old_ones(tmp_path):
 
 @pytest.mark.parametrize("attn", ["sdpa"])
 def test_engine_backend_agrees_with_the_reference_and_is_synced_after_updates(tmp_path, attn):
-    pytest.importorskip("minigrpo.engine", reason="the fast engine is not available")
-    from minigrpo.rollout import make_backend
+    pytest.importorskip("minigrpo.engine.engine", reason="the fast engine is not available")
+    from minigrpo.engine.rollout import make_backend
 
     reference = _synthetic_trainer(tmp_path / "ref", lr=1e-2)
     engine = _synthetic_trainer(tmp_path / "engine", lr=1e-2)
@@ -398,8 +398,8 @@ def test_engine_backend_agrees_with_the_reference_and_is_synced_after_updates(tm
 
 
 def test_make_backend_sizes_the_engine_to_the_rollout_and_picks_cpu_defaults():
-    pytest.importorskip("minigrpo.engine", reason="the fast engine is not available")
-    from minigrpo.rollout import make_backend
+    pytest.importorskip("minigrpo.engine.engine", reason="the fast engine is not available")
+    from minigrpo.engine.rollout import make_backend
     model = tiny_policy(CharTokenizer().vocab_size, seed=0)
     engine = make_backend("sdpa", model, pad_id=0, max_seq_len=40, max_batch=24)
     assert (engine.cfg.compile, engine.cfg.cuda_graphs, engine.cfg.sampler) == ("none", False, "torch")
@@ -485,9 +485,9 @@ def test_tensorboard_logs_or_says_how_to_install_it(tmp_path):
 def test_gsm8k_task_prompt_and_reward():
     if not QWEN_DIR.exists():
         pytest.skip(f"Qwen tokenizer files not found at {QWEN_DIR}")
-    from minigrpo.gsm8k import Example, build_messages
-    from minigrpo.task import GSM8KTask
-    from minigrpo.tokenizer import Tokenizer
+    from minigrpo.model.tokenizer import Tokenizer
+    from minigrpo.tasks.gsm8k import Example, build_messages
+    from minigrpo.tasks.task import GSM8KTask
 
     tokenizer = Tokenizer.from_dir(QWEN_DIR)
     task = GSM8KTask([Example("How many legs do 2 cats have?", "2*4=8\n#### 8", "8")], tokenizer)
@@ -562,7 +562,7 @@ def test_a_compiled_policy_compiles_every_length_bucket_and_never_falls_back_sil
     # of 8, after which it would run new shapes eager without a word. With 640 positions: 10 buckets x 2.
     import torch._dynamo
 
-    from minigrpo.trainer import _allow_every_length_bucket
+    from minigrpo.rl.trainer import _allow_every_length_bucket
 
     for name in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit"):
         monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))  # restored after

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from minigrpo.verifier import extract_answer, is_correct, normalize_number, reward
+from minigrpo.tasks.verifier import extract_answer, is_correct, normalize_number, reward
 
 
 @pytest.mark.parametrize(

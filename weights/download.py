@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from minigrpo.checkpoint import save_model
-from minigrpo.config import ModelConfig
-from minigrpo.model import Qwen2ForCausalLM, init_weights
+from minigrpo.model.checkpoint import save_model
+from minigrpo.model.config import ModelConfig
+from minigrpo.model.qwen2 import Qwen2ForCausalLM, init_weights
 
 DEFAULT_REPO = "Qwen/Qwen2.5-0.5B-Instruct"
 DEFAULT_DIR = Path("checkpoints/qwen2.5-0.5b-instruct")

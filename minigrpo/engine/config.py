@@ -1,7 +1,7 @@
 """`EngineConfig`: the rollout engine's settings, in one frozen dataclass.
 
-Its own module because two layers read it: the engine (`minigrpo/engine.py`: batch buckets, KV budget,
-host syncs) and the runner below it (`minigrpo/runner.py`: the graph boundaries `compile`, `cuda_graphs`,
+Its own module because two layers read it: the engine (`minigrpo/engine/engine.py`: batch buckets, KV budget,
+host syncs) and the runner below it (`minigrpo/engine/runner.py`: the graph boundaries `compile`, `cuda_graphs`,
 `sample_in_graph`, and the attention backend and sampler the step runs).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minigrpo.attention import BACKENDS
-from minigrpo.decode import SAMPLERS
+from minigrpo.engine.attention import BACKENDS
+from minigrpo.engine.decode import SAMPLERS
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from minigrpo.config import ModelConfig
-from minigrpo.model import Qwen2ForCausalLM
+from minigrpo.model.config import ModelConfig
+from minigrpo.model.qwen2 import Qwen2ForCausalLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

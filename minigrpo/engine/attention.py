@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import kernels  # registers torch.ops.minigrpo.*
 from kernels.decode_attention import check_decode_inputs
 from kernels.rope_store import check_rope_store_inputs
-from minigrpo.model import apply_rope
+from minigrpo.model.qwen2 import apply_rope
 
 BACKENDS = ("eager", "sdpa", "triton")
 

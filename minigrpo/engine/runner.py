@@ -19,10 +19,10 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from minigrpo.decode import DecodeModel, advance, decode_step
-from minigrpo.engine_config import EngineConfig
-from minigrpo.kv_cache import SCRATCH_PAGE, KVCache
-from minigrpo.sampling import SamplingParams
+from minigrpo.engine.config import EngineConfig
+from minigrpo.engine.decode import DecodeModel, advance, decode_step
+from minigrpo.engine.kv_cache import SCRATCH_PAGE, KVCache
+from minigrpo.model.sampling import SamplingParams
 
 MAX_STOP_IDS = 8
 

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minigrpo.checkpoint import load_model, replace_dir, save_model
-from minigrpo.config import ModelConfig
+from minigrpo.model.checkpoint import load_model, replace_dir, save_model
+from minigrpo.model.config import ModelConfig
 
 STATE_FILE = "trainer_state.pt"
 # The ModelConfig fields that set the weights' shapes: a checkpoint resumes only into the same architecture.

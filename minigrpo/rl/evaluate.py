@@ -1,7 +1,7 @@
 """Greedy evaluation: accuracy of one deterministic completion per example (GSM8K test split by default).
 
-    python -m minigrpo.evaluate --model-dir checkpoints/qwen2.5-0.5b-instruct --test-data test.jsonl --limit 200
-    python -m minigrpo.evaluate --model-dir runs/gsm8k/checkpoints/step_000200/model --out eval.jsonl
+    python -m minigrpo.rl.evaluate --model-dir checkpoints/qwen2.5-0.5b-instruct --test-data test.jsonl --limit 200
+    python -m minigrpo.rl.evaluate --model-dir runs/gsm8k/checkpoints/step_000200/model --out eval.jsonl
 
 Greedy decoding makes the number a property of the weights alone (no sampling noise), which is what a
 before/after comparison needs. The trainer calls `evaluate` with its own rollout backend, so evaluation
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from minigrpo.sampling import GREEDY
+from minigrpo.model.sampling import GREEDY
 
 
 @torch.no_grad()
@@ -87,11 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.limit is not None and args.limit < 1:
         p.error(f"--limit must be >= 1, got {args.limit}")
 
-    from minigrpo.checkpoint import load_model
-    from minigrpo.gsm8k import load_gsm8k
-    from minigrpo.rollout import make_backend
-    from minigrpo.task import GSM8KTask, prompt_budget
-    from minigrpo.tokenizer import Tokenizer
+    from minigrpo.engine.rollout import make_backend
+    from minigrpo.model.checkpoint import load_model
+    from minigrpo.model.tokenizer import Tokenizer
+    from minigrpo.tasks.gsm8k import load_gsm8k
+    from minigrpo.tasks.task import GSM8KTask, prompt_budget
 
     try:
         model_dir = resolve_model_dir(args.model_dir)

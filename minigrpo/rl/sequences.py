@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minigrpo.grpo import completion_mask
-from minigrpo.logprobs import token_logprobs
-from minigrpo.model import Qwen2ForCausalLM
+from minigrpo.model.qwen2 import Qwen2ForCausalLM
+from minigrpo.rl.grpo import completion_mask
+from minigrpo.rl.logprobs import token_logprobs
 
 
 @dataclass

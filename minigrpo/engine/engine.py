@@ -18,7 +18,7 @@ How a rollout runs:
    host; finished rows are gathered on the device and read once, when the rollout ends.
 
 Graph boundaries are configuration, not accident: `EngineConfig` sets them (`compile`, `cuda_graphs`,
-`sample_in_graph`), and `minigrpo/runner.py` holds every place where they are drawn.
+`sample_in_graph`), and `minigrpo/engine/runner.py` holds every place where they are drawn.
 
 Shape legend: N sequences in a rollout (prompts x G), B bucket (batch slots), M block-table width, W output width.
 """
@@ -30,14 +30,14 @@ from collections import deque
 
 import torch
 
-from minigrpo.config import ModelConfig
-from minigrpo.decode import DecodeModel, sample_tokens
-from minigrpo.engine_config import EngineConfig
-from minigrpo.generate import Rollout
-from minigrpo.kv_cache import SCRATCH_PAGE, KVCache, OutOfPages
-from minigrpo.model import Qwen2ForCausalLM
-from minigrpo.runner import MAX_STOP_IDS, SlotState, StepRunner
-from minigrpo.sampling import SamplingParams
+from minigrpo.engine.config import EngineConfig
+from minigrpo.engine.decode import DecodeModel, sample_tokens
+from minigrpo.engine.kv_cache import SCRATCH_PAGE, KVCache, OutOfPages
+from minigrpo.engine.runner import MAX_STOP_IDS, SlotState, StepRunner
+from minigrpo.model.config import ModelConfig
+from minigrpo.model.generate import Rollout
+from minigrpo.model.qwen2 import Qwen2ForCausalLM
+from minigrpo.model.sampling import SamplingParams
 
 
 class Engine:

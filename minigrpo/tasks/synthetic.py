@@ -18,7 +18,7 @@ completion): a random policy earns ~1/13, every batch has signal, and the curve 
 position instead of jumping; 1.0 only for the exact answer. With 3 digits, the digits alone score at most
 0.75: passing 0.8 takes the stop too.
 
-`CharTokenizer` duck-types what the trainer uses of `minigrpo.tokenizer.Tokenizer`: encode, decode,
+`CharTokenizer` duck-types what the trainer uses of `minigrpo.model.tokenizer.Tokenizer`: encode, decode,
 stop_ids, pad_id, eos_id, vocab_size.
 """
 
@@ -29,8 +29,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from minigrpo.config import ModelConfig
-from minigrpo.model import Qwen2ForCausalLM, init_weights
+from minigrpo.model.config import ModelConfig
+from minigrpo.model.qwen2 import Qwen2ForCausalLM, init_weights
 
 EOS, PAD = "<eos>", "<pad>"
 

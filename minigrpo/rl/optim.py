@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from minigrpo.sampling import M31, mix31
+from minigrpo.model.sampling import M31, mix31
 
 
 def round_stochastic(x: torch.Tensor, seed: torch.Tensor, offset: int = 0) -> torch.Tensor:

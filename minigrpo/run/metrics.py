@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from tqdm import tqdm
 
 # (key, label, format, meaning) of what the stdout line shows, in order; keys missing from a record are skipped.

@@ -1,6 +1,6 @@
 """Rollout backends: what generates the completions the trainer learns from.
 
-The trainer talks to a backend through two calls, the same ones `minigrpo.engine.Engine` exposes:
+The trainer talks to a backend through two calls, the same ones `minigrpo.engine.engine.Engine` exposes:
 
     generate(prompts, samples_per_prompt, max_new_tokens, params, stop_ids, seeds) -> Rollout
     load_weights(model)      # copy the policy's current weights into the backend (the "weight sync")
@@ -9,7 +9,7 @@ The trainer talks to a backend through two calls, the same ones `minigrpo.engine
 with counter-based sampling a completion is a pure function of (weights, prompt, seed), so a rollout is
 reproducible whatever the batch composition, and an exact resume needs no sampler state.
 
-`ReferenceBackend` runs `minigrpo.generate.generate` on the policy module itself: no KV cache, slow and
+`ReferenceBackend` runs `minigrpo.model.generate.generate` on the policy module itself: no KV cache, slow and
 obviously correct, the CPU backend. Since it *is* the policy, there is nothing to sync. The fast engine
 (`--attn eager|sdpa|triton`) keeps its own bf16 copy of the weights, refreshed after every update.
 """
@@ -22,9 +22,9 @@ from typing import Protocol
 
 import torch
 
-from minigrpo.generate import Rollout, generate
-from minigrpo.model import Qwen2ForCausalLM
-from minigrpo.sampling import SamplingParams
+from minigrpo.model.generate import Rollout, generate
+from minigrpo.model.qwen2 import Qwen2ForCausalLM
+from minigrpo.model.sampling import SamplingParams
 
 ATTN_BACKENDS = ("reference", "eager", "sdpa", "triton")
 
@@ -90,10 +90,10 @@ def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: st
         raise ValueError(f"{triton_flag} runs Triton kernels, which need a CUDA GPU; on the CPU use --attn sdpa "
                          f"(or set TRITON_INTERPRET=1 to run them, slowly, in Triton's interpreter)")
     try:  # imported here so the trainer runs (with --attn reference) wherever the engine cannot
-        from minigrpo.engine import Engine
-        from minigrpo.engine_config import EngineConfig
+        from minigrpo.engine.config import EngineConfig
+        from minigrpo.engine.engine import Engine
     except ImportError as e:
-        raise RuntimeError(f"--attn {attn} needs the fast engine (minigrpo/engine.py), which failed to import "
+        raise RuntimeError(f"--attn {attn} needs the fast engine (minigrpo/engine/engine.py), which failed to import "
                            f"({e}); use --attn reference") from None
     extra = {k: v for k, v in (("max_seq_len", max_seq_len), ("max_batch", max_batch)) if v is not None}
     cfg = EngineConfig(attn=attn, compile=compile or ("step" if on_cuda else "none"),

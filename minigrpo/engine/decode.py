@@ -22,11 +22,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels  # noqa: F401  (registers torch.ops.minigrpo.*)
-from minigrpo.attention import decode_attention, rope_store
-from minigrpo.config import ModelConfig
-from minigrpo.kv_cache import write_slots
-from minigrpo.model import Qwen2ForCausalLM, apply_rope, rms_norm, rope_cos_sin
-from minigrpo.sampling import SamplingParams, sample
+from minigrpo.engine.attention import decode_attention, rope_store
+from minigrpo.engine.kv_cache import write_slots
+from minigrpo.model.config import ModelConfig
+from minigrpo.model.qwen2 import Qwen2ForCausalLM, apply_rope, rms_norm, rope_cos_sin
+from minigrpo.model.sampling import SAMPLE_CHUNK, SamplingParams, sample
 
 
 class DecodeModel(nn.Module):
@@ -141,7 +141,7 @@ def sample_tokens(logits, params: SamplingParams, seed, ctr, sampler: str):
     """The reference sampler, or for plain temperature sampling optionally the fused Triton kernel (the
     same draw, one reduction pass over the logits). -> tokens (B,), log-probs (B,)."""
     if sampler == "triton" and not params.greedy and params.top_k == 0 and params.top_p == 1.0:
-        return torch.ops.minigrpo.fused_sample(logits, seed, ctr, params.temperature)
+        return torch.ops.minigrpo.fused_sample(logits, seed, ctr, params.temperature, SAMPLE_CHUNK)
     return sample(logits, params, seed, ctr)
 
 

@@ -3,7 +3,7 @@
 No KV cache: every step runs the full forward over the left-padded batch and takes the last position's
 logits. That is quadratic in length and slow, and that is the point: there is no cache, paging or graph
 capture in which a bug could hide. The engine must reproduce its greedy tokens exactly (fp32, CPU).
-Sampling goes through the same `minigrpo.sampling.sample` as the engine, with the same per-sequence seeds,
+Sampling goes through the same `minigrpo.model.sampling.sample` as the engine, with the same per-sequence seeds,
 so sampled rollouts can be compared too.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minigrpo.model import Qwen2ForCausalLM
-from minigrpo.sampling import GREEDY, SamplingParams, sample
+from minigrpo.model.qwen2 import Qwen2ForCausalLM
+from minigrpo.model.sampling import GREEDY, SamplingParams, sample
 
 
 @dataclass

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from minigrpo.distributed import Dist
-from minigrpo.grpo import mismatch_stats
-from minigrpo.metrics import PhaseTimer
+from minigrpo.rl.distributed import Dist
+from minigrpo.rl.grpo import mismatch_stats
+from minigrpo.run.metrics import PhaseTimer
 
 
 def rollout_metrics(completions: list[list[int]], rewards: torch.Tensor, correct: list[bool],

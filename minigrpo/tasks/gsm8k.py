@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from minigrpo.verifier import normalize_number
+from minigrpo.tasks.verifier import normalize_number
 
 HUB_REPO = "openai/gsm8k"
 HUB_FILES = {"train": "main/train-00000-of-00001.parquet", "test": "main/test-00000-of-00001.parquet"}

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 
-
 VOCAB_SLICE = 8192  # vocabulary rows per backward block (see backward)
 
 

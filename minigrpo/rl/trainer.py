@@ -44,18 +44,33 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from minigrpo.data import EpochSampler
-from minigrpo.distributed import Dist, GradSync
-from minigrpo.evaluate import evaluate
-from minigrpo.grpo import dr_grpo_loss, group_advantages, nonzero_groups, truncated_is_weights
-from minigrpo.metrics import MetricsLogger, PhaseTimer
-from minigrpo.optim import StochasticAdamW
-from minigrpo.sampling import SamplingParams
-from minigrpo.sequences import SequenceBatch, completion_logprobs, pad_rows
-from minigrpo.step_metrics import UpdateSums, mismatch_metrics, rollout_metrics, speed_and_memory
-from minigrpo.stopping import Interrupted, NonFiniteError, StopSignals, nonfinite
-from minigrpo.train_config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
-from minigrpo.train_state import load_checkpoint, resolve_checkpoint, save_checkpoint, set_latest
+from minigrpo.model.sampling import SamplingParams
+from minigrpo.rl.config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
+from minigrpo.rl.data import EpochSampler
+from minigrpo.rl.distributed import Dist, GradSync
+from minigrpo.rl.evaluate import evaluate
+from minigrpo.rl.grpo import (
+    dr_grpo_loss,
+    group_advantages,
+    nonzero_groups,
+    truncated_is_weights,
+)
+from minigrpo.rl.optim import StochasticAdamW
+from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
+from minigrpo.rl.step_metrics import (
+    UpdateSums,
+    mismatch_metrics,
+    rollout_metrics,
+    speed_and_memory,
+)
+from minigrpo.run.checkpoints import (
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+    set_latest,
+)
+from minigrpo.run.metrics import MetricsLogger, PhaseTimer
+from minigrpo.run.stopping import Interrupted, NonFiniteError, StopSignals, nonfinite
 
 _ROLLOUT, _SHUFFLE, _ROUND = 0x5A3D, 0x5AFF, 0x5A40  # stream tags for (seed, tag, step, ...) derivation
 SEQ_BUCKET = 64  # a compiled policy's batches are padded to a multiple of this many columns (Trainer._select)
@@ -429,7 +444,7 @@ class Trainer:
 
     def resume(self, path: str | Path) -> None:
         """Continue from a checkpoint (its directory, or a run directory: the newest one there). A checkpoint
-        of this run's own folder rewinds the run to it: `latest` names it again (train_state.py)."""
+        of this run's own folder rewinds the run to it: `latest` names it again (run/checkpoints.py)."""
         ckpt = resolve_checkpoint(path)
         state = load_checkpoint(ckpt, self.model, self.device)
         saved = state["config"]

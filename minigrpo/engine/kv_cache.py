@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from minigrpo.config import ModelConfig
+from minigrpo.model.config import ModelConfig
 
 SCRATCH_PAGE = 0
 

@@ -1,7 +1,7 @@
 """Tasks: the prompts to train or evaluate on and the verifiable reward of a completion.
 
 The trainer sees a task only through this small interface, so GSM8K and the offline synthetic task
-(`minigrpo.synthetic`) are interchangeable:
+(`minigrpo.tasks.synthetic`) are interchangeable:
 
     len(task)                                  number of examples
     task.prompt(i) -> list[int]                the prompt's token ids (chat template already applied)
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from minigrpo.gsm8k import Example, build_messages
-from minigrpo.verifier import reward as gsm8k_reward
+from minigrpo.tasks.gsm8k import Example, build_messages
+from minigrpo.tasks.verifier import reward as gsm8k_reward
 
 
 class Task(Protocol):

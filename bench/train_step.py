@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
-from minigrpo import distributed  # noqa: E402
+from minigrpo.rl import distributed  # noqa: E402
 from minigrpo.rl.trainer import Trainer  # noqa: E402
 
 
@@ -37,7 +37,7 @@ class StandInReward:
     """The GSM8K task's prompts, scored by the parity of the completion's token ids (see module doc)."""
 
     def __init__(self, task):
-        self.task = task
+        self.task, self.stops = task, task.stops
 
     def __len__(self):
         return len(self.task)
@@ -61,7 +61,7 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
     # the full-logits flag goes last: it overrides a --logprob-chunk-size among the extra flags
     cli = train_cli.parse_args(flags + (["--compile", comp] if comp else []) + args.extra
                                + (["--logprob-chunk-size", "0"] if full_logits else []))
-    model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli)
+    model, tokenizer, task, _, model_dir = train_cli.build_qa(cli)
     backend = train_cli.build_backend(cli, model, tokenizer, task, None)
     trainer = Trainer(cli.cfg, model, tokenizer, StandInReward(task), backend, out, tokenizer_dir=model_dir,
                       dist=dist)

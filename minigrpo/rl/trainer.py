@@ -48,7 +48,7 @@ from minigrpo.model.sampling import SamplingParams
 from minigrpo.rl.config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
 from minigrpo.rl.data import EpochSampler
 from minigrpo.rl.distributed import Dist, GradSync
-from minigrpo.rl.evaluate import evaluate
+from minigrpo.rl.evaluate import decoded, evaluate
 from minigrpo.rl.grpo import (
     dr_grpo_loss,
     group_advantages,
@@ -125,7 +125,7 @@ class Trainer:
         self.out_dir, self.tensorboard, self.echo = Path(out_dir), tensorboard, echo
         self.device = next(model.parameters()).device
         self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.weights == "fp32" else None
-        self.stop_ids, self.pad_id = tuple(tokenizer.stop_ids), tokenizer.pad_id
+        self.stops, self.pad_id = task.stops, tokenizer.pad_id
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
         # The KL anchor is the policy as it is now, before any update (also when resuming: see resume()).
         self.ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.kl_beta > 0 else None
@@ -163,15 +163,15 @@ class Trainer:
         lr = self._begin_step()
         timer = PhaseTimer(self.device, ("rollout", "reward", "logprobs", "update", "sync"))
 
-        examples, prompts, rollout = self._rollout()                                            # 1. rollout
+        examples, prompts, rollout, stopped = self._rollout()                                   # 1. rollout
         timer.lap("rollout")
         rewards, correct = self._rewards(examples, rollout)                                     # 2. reward (R,)
         adv = group_advantages(rewards, G)                                                      # (R,)
         informative = nonzero_groups(adv, G)                                                    # 3. filter (R,)
         train = informative if cfg.kl_beta == 0 else torch.ones_like(informative)               # (R,)
         trained = self.dist.gather(train)                                                       # (N,) all ranks
-        m = {"step": self.step_idx, **rollout_metrics(rollout.tokens, rewards, correct, informative, trained,
-                                                     self.stop_ids, self.dist), "lr": lr}
+        m = {"step": self.step_idx, **rollout_metrics(rollout.tokens, stopped, rewards, correct, informative,
+                                                     trained, self.dist), "lr": lr}
         timer.lap("reward")
 
         if not trained.any():  # no group on any rank has a reward spread (and beta = 0): nothing to learn
@@ -204,16 +204,17 @@ class Trainer:
 
     def _rollout(self):
         """Stage 1: this rank's b = B/W prompts of the global order and their b*G completions, each sampled
-        from its own seed. Returns (example indices, prompt token lists, Rollout)."""
+        from its own seed and cut after its first stop (the task's stop strings are found on the host).
+        Returns (example indices, prompt token lists, Rollout, whether each completion stopped)."""
         cfg, dist = self.cfg, self.dist  # W ranks; W = 1 without torchrun, where every dist call is the identity
         examples = dist.shard(self.sampler.next(cfg.prompts_per_step))
         seeds = dist.shard(derive_seeds(cfg.seed, _ROLLOUT, self.step_idx, cfg.rows_per_step))
         prompts = [self.task.prompt(i) for i in examples]
         rollout = self.backend.generate(prompts, cfg.samples_per_prompt, cfg.max_new_tokens, self.params,
-                                        self.stop_ids, seeds)
+                                        self.stops.ids, seeds)
         if len(rollout.tokens) != len(seeds):
             raise RuntimeError(f"rollout backend returned {len(rollout.tokens)} completions, expected {len(seeds)}")
-        return examples, prompts, rollout
+        return examples, prompts, *self.stops.cut(rollout)
 
     def _rewards(self, examples: list[int], rollout) -> tuple[torch.Tensor, list[bool]]:
         """Stage 2: the task's reward of each completion (R,), and whether each is exactly correct."""
@@ -229,7 +230,7 @@ class Trainer:
         kept = train.nonzero().squeeze(1).tolist()
         index = kept or [0]
         batch = SequenceBatch.build([prompts[r // G] for r in index], [rollout.tokens[r] for r in index],
-                                    pad_id=self.pad_id, stop_ids=self.stop_ids, device=self.device)
+                                    pad_id=self.pad_id, stop_ids=self.stops.ids, device=self.device)
         offset = self.dist.rank * len(train)  # the global index of this rank's first rollout row
         return _Rows(batch, adv[index].to(self.device), pad_rows([rollout.logprobs[r] for r in index], batch.C,
                                                                  self.device),
@@ -367,10 +368,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- the loop
 
-    def evaluate(self) -> dict:
+    def evaluate(self, logger: MetricsLogger | None = None) -> dict:
+        """Every rank evaluates its share of the eval examples; the logger (rank 0's) writes them to eval.jsonl."""
         cfg = self.cfg
-        res = evaluate(self.backend, self.eval_task, stop_ids=self.stop_ids, limit=cfg.eval_limit,
+        res = evaluate(self.backend, self.eval_task, limit=cfg.eval_limit, samples=cfg.eval_samples,
+                       temperature=cfg.eval_temperature, seed=cfg.seed, dist=self.dist,
                        max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.eval_batch_size)
+        if logger is not None:
+            logger.log_eval(self.step_idx, decoded(res["records"], self.tokenizer.decode))
         return {f"eval_{k}": v for k, v in res.items() if k != "records"}
 
     def run(self) -> list[dict]:
@@ -378,16 +383,18 @@ class Trainer:
 
         Stops early, raising, on SIGINT / SIGTERM (after the current step and a checkpoint: `Interrupted`)
         and on a NaN or inf loss or weight (before saving them: `NonFiniteError`); see stopping.py."""
-        cfg, main = self.cfg, self.dist.is_main  # rank 0 alone evaluates, logs and saves
+        cfg, main = self.cfg, self.dist.is_main  # rank 0 alone logs and saves
         logger = MetricsLogger(self.out_dir, tensorboard=self.tensorboard, echo=self.echo,
                                resume_step=self.step_idx if self.step_idx else None) if main else None
-        evaluating = main and self.eval_task is not None and cfg.eval_every
+        evaluating = self.eval_task is not None and cfg.eval_every
         history = []
         bar = tqdm(total=cfg.steps, initial=self.step_idx, desc="train", unit="step", disable=None if main else True)
         try:
             with StopSignals() as signals:
                 if evaluating and self.step_idx == 0:
-                    logger.log({"step": 0, **self.evaluate()})
+                    record = {"step": 0, **self.evaluate(logger)}
+                    if main:
+                        logger.log(record)
                 while self.step_idx < cfg.steps:
                     signum = int(self.dist.max(torch.tensor(signals.received or 0)))  # any rank's signal stops all
                     if signum:
@@ -400,7 +407,7 @@ class Trainer:
                         raise NonFiniteError(self.step_idx, bad)
                     done = self.step_idx == cfg.steps
                     if evaluating and (self.step_idx % cfg.eval_every == 0 or done):
-                        m.update(self.evaluate())
+                        m.update(self.evaluate(logger))
                     if main and cfg.sample_every and self.step_idx % cfg.sample_every == 0:
                         logger.log_samples(self.step_idx, self._samples())
                     if main:

@@ -77,6 +77,12 @@ def _truncate_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def _append(path: Path, step: int, rows: list[dict]) -> None:
+    with path.open("a") as f:
+        for r in rows:
+            f.write(json.dumps({"step": step, **r}) + "\n")
+
+
 class MetricsLogger:
     def __init__(self, out_dir: str | Path, *, tensorboard: bool = False, resume_step: int | None = None,
                  echo: bool = True):
@@ -119,13 +125,11 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, record["step"])
             self._tb.flush()
 
-    def log_samples(self, step: int, samples: list[dict], path: Path | None = None) -> None:
-        with (path or self.samples_path).open("a") as f:
-            for s in samples:
-                f.write(json.dumps({"step": step, **s}) + "\n")
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        _append(self.samples_path, step, samples)
 
     def log_eval(self, step: int, rows: list[dict]) -> None:
-        self.log_samples(step, rows, self.eval_path)
+        _append(self.eval_path, step, rows)
 
     def close(self) -> None:
         if self._tb is not None:

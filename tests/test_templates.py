@@ -107,13 +107,14 @@ def test_r1_reads_the_answer_tag_in_the_paper_format(tok):
 
 
 def test_backends_give_the_same_cut_completions_and_log_their_length(tmp_path):
-    """Two-character stop strings on the copy task's random policy: caught in both backends' output, the
-    completions identical, and the step's logged length and truncation those of the cut completions."""
+    """Two-character stop strings on the copy task's random policy: caught in both backends' output (the
+    engine also stops on them in its decode loop), the completions identical, and the step's logged length
+    and truncation those of the cut completions."""
     tokenizer, strings = CharTokenizer(), ("12", "21", "33")
     task = CopyTask(tokenizer, 16, seed=0, num_digits=3)
-    task.stops = Stops(tokenizer.stop_ids, strings, tokenizer.decode)
+    task.stops = Stops(tokenizer.stop_ids, strings, tokenizer.decode, tuple(tuple(tokenizer.encode(s)) for s in strings))
     cfg = TrainConfig(prompts_per_step=8, samples_per_prompt=8, max_new_tokens=24, lr=1e-3, eval_every=0)
-    runs = {}
+    runs, raws = {}, {}
     for attn in ("reference", "sdpa"):
         model = tiny_policy(tokenizer.vocab_size, seed=0)
         backend = ReferenceBackend(model, tokenizer.pad_id) if attn == "reference" else make_backend(
@@ -127,8 +128,23 @@ def test_backends_give_the_same_cut_completions_and_log_their_length(tmp_path):
         caught = [t for t in texts if any(s in t for s in strings)]
         assert len(caught) >= 3
         assert all(any(t.endswith(s) for s in strings) and not any(s in t[:-1] for s in strings) for t in caught)
-        assert sum(map(len, cut)) < sum(map(len, raw[0].tokens))  # the tokens after a stop string were dropped
+        raws[attn] = sum(map(len, raw[0].tokens))
+        assert sum(map(len, cut)) <= raws[attn]  # the tokens after a stop string were dropped
         assert m["completion_len_mean"] == sum(map(len, cut)) / len(cut)
         stopped = sum(c[-1:] == [tokenizer.eos_id] for c in cut) + len(caught)
         assert m["truncated_frac"] == 1 - stopped / len(cut)
     assert runs["sdpa"] == runs["reference"]
+    assert raws["sdpa"] < raws["reference"]  # the engine stopped at the strings, the reference decoded on
+
+
+def test_r1_stops_early_on_the_common_tokenisations(tok):
+    stops = TEMPLATES["r1"].stops(tok)
+    assert stops.backend_stops[:2] == stops.ids and len(stops.backend_stops) <= 16  # the engine's MAX_STOPS
+    texts = {tok.decode(s) for s in stops.sequences}
+    assert {" </answer>", "</answer>", ".</answer>", "</answer>\n", " </answer>\n\n"} <= texts
+    assert all("</answer>" in tok.decode(s) and "</answer>" not in tok.decode(s[1:]) for s in stops.sequences)
+    for text in ("x </answer> y", "4.</answer>\n\nUser:", "}</answer>"):  # the engine's exit = the host's cut
+        ids = tok.encode(text)
+        first = next(k for k in range(1, len(ids) + 1) if any(tuple(ids[max(0, k - len(s)):k]) == s
+                                                               for s in stops.sequences))
+        assert first == stops.end(ids)[0]

@@ -63,7 +63,8 @@ def evaluate(backend, task, *, max_new_tokens: int, batch_size: int = 128, limit
     for start in range(0, len(mine), batch_size):
         ids = mine[start:start + batch_size]
         seeds = [s for i in ids for s in _seeds(seed, i, k)]
-        rollout = backend.generate([task.prompt(i) for i in ids], k, max_new_tokens, params, task.stops.ids, seeds)
+        rollout = backend.generate([task.prompt(i) for i in ids], k, max_new_tokens, params, task.stops.backend_stops,
+                                   seeds)
         rollout, stopped = task.stops.cut(rollout)
         for r, i in enumerate(ids):
             rows = range(r * k, (r + 1) * k)

@@ -211,7 +211,7 @@ class Trainer:
         seeds = dist.shard(derive_seeds(cfg.seed, _ROLLOUT, self.step_idx, cfg.rows_per_step))
         prompts = [self.task.prompt(i) for i in examples]
         rollout = self.backend.generate(prompts, cfg.samples_per_prompt, cfg.max_new_tokens, self.params,
-                                        self.stops.ids, seeds)
+                                        self.stops.backend_stops, seeds)
         if len(rollout.tokens) != len(seeds):
             raise RuntimeError(f"rollout backend returned {len(rollout.tokens)} completions, expected {len(seeds)}")
         return examples, prompts, *self.stops.cut(rollout)

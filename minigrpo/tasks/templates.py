@@ -16,8 +16,10 @@ Stop strings. The rollout backends stop in their decode loop on stop token ids o
 "</answer>" is several tokens, tokenised differently by context ("</" or ".</", ">" or ">\\n"), so no
 token id catches it: `Stops.cut` finds it in the decoded text, on the host, once per rollout, and drops
 the tokens after the one that completes it. Both backends decode the same tokens, so they return the same
-cut completions; the dropped tokens get no reward and no loss. The decode loop runs on past the string
-(to a stop token or the budget): that time is spent, but nothing it writes is kept.
+cut completions; the dropped tokens get no reward and no loss. So that a completion does not decode on to
+the budget, the engine also stops in its decode loop on the string's common tokenisations
+(`stop_sequences`): an early exit, exact because each one's text holds the string, so the cut on the host
+lands on that same last token. A rarer tokenisation decodes on, and is cut all the same.
 """
 
 from __future__ import annotations
@@ -40,13 +42,35 @@ R1_PROMPT = (
 )
 
 
+def stop_sequences(tokenizer, string: str, most: int = 12, longest: int = 4) -> tuple[tuple[int, ...], ...]:
+    """How `string` tokenises after a space, a word, a period or a brace, and before the end or newlines: in
+    each, the tokens from the one holding its first character to the one completing it (their text holds
+    the string). The first `most` distinct ones of at most `longest` tokens (the engine's STOP_LEN)."""
+    found = []
+    for before in ("x ", "x", "x.", "x}"):
+        for after in ("", "\n", "\n\n"):
+            ids = tokenizer.encode(before + string + after)
+            end = next(k for k in range(1, len(ids) + 1) if string in tokenizer.decode(ids[:k]))
+            start = max(j for j in range(end) if string in tokenizer.decode(ids[j:end]))
+            if end - start <= longest and tuple(ids[start:end]) not in found:
+                found.append(tuple(ids[start:end]))
+    return tuple(found[:most])
+
+
 @dataclass(frozen=True)
 class Stops:
     """What ends a completion: a stop token id (the backend's decode loop stops on it) or a stop string,
-    found in the decoded text by `cut`. `decode` (token ids -> text) is needed only with strings."""
+    found in the decoded text by `cut`. `decode` (token ids -> text) is needed only with strings;
+    `sequences`, the strings' common tokenisations, only make the engine stop early (module doc)."""
     ids: tuple[int, ...]
     strings: tuple[str, ...] = ()
     decode: Callable[[Sequence[int]], str] | None = None
+    sequences: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def backend_stops(self) -> tuple[int | tuple[int, ...], ...]:
+        """What a rollout backend's `generate` takes as `stop_ids`: the ids, then the token sequences."""
+        return self.ids + self.sequences
 
     def end(self, tokens: Sequence[int]) -> tuple[int, bool]:
         """(n, stopped): the completion is tokens[:n], up to and including its first stop."""
@@ -98,7 +122,8 @@ class Template:
         and this template's stop strings."""
         end_of_turn = tokenizer.encode(IM_END) if self.chat else []
         ids = tuple(tokenizer.stop_ids) + (tuple(end_of_turn) if len(end_of_turn) == 1 else ())
-        return Stops(tuple(dict.fromkeys(ids)), self.stop, tokenizer.decode)
+        sequences = tuple(seq for s in self.stop for seq in stop_sequences(tokenizer, s))
+        return Stops(tuple(dict.fromkeys(ids)), self.stop, tokenizer.decode, sequences)
 
     def answer(self, completion: str) -> str | None:
         """The part of the completion that holds the answer; None if the template's format is not met.

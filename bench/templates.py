@@ -11,10 +11,12 @@ One engine serves all of it, so the decode step compiles once (the templates sha
 
 Random weights almost never write "</answer>" (nor a stop token: 2 of 151,936 ids), so expect ~0 stops
 and every completion at the budget. The stop path is therefore also run on the engine's own output by a
-probe: the last rollout cut at the string "a " (a token ending in "a" followed by one starting with a
-space: common among random tokens), which it checks (the cut text holds the string once, at its end) and
-counts, with how many cuts span two tokens. Random weights never answer right: the rewards are 0, no
-group has a reward spread, and each step is a rollout and scoring (the update is skipped).
+probe: a rollout cut at the string "a " (a token ending in "a" followed by one starting with a space:
+about 0.6% of random positions, so ~3/4 of 256-token completions), checked (the cut text holds the string
+once, at its end) and counted, with how many cuts span two tokens (all: no token holds "a "); then the
+same rollout again with two token sequences taken from its output as stops in the decode loop: expect
+1-2 completions to hold one, each ending at its first occurrence. Random weights never answer right: the
+rewards are 0, no group has a reward spread, and each step is a rollout and scoring (no update).
 """
 
 from __future__ import annotations
@@ -55,11 +57,20 @@ def probe(trainer: Trainer, tok: Tokenizer) -> dict:
                                    derive_seeds(cfg.seed, 1, 0, cfg.rows_per_step))
     cut, stopped = Stops(task.stops.ids, (PROBE,), tok.decode).cut(raw)
     at_string = [c for c, s in zip(cut.tokens, stopped) if s and c[-1] not in task.stops.ids]
+    # The decode loop's stop sequences: two taken from this rollout's output, the same prompts and seeds again.
+    seqs = (tuple(raw.tokens[0][10:12]), tuple(raw.tokens[1][20:23]))
+    again = trainer.backend.generate(prompts, cfg.samples_per_prompt, cfg.max_new_tokens, trainer.params,
+                                     task.stops.ids + seqs, derive_seeds(cfg.seed, 1, 0, cfg.rows_per_step))
+    hits = [next((k for k in range(1, len(c) + 1) if any(tuple(c[max(0, k - len(q)):k]) == q for q in seqs)), None)
+            for c in again.tokens]
     return {"cut": len(at_string), "of": len(cut.tokens),  # checked: the string ends in the last token
             "checked": sum(PROBE in tok.decode(c) and PROBE not in tok.decode(c[:-1]) for c in at_string),
             "spanning_tokens": sum(PROBE not in tok.decode(c[-1:]) for c in at_string),
             "len_before": sum(map(len, raw.tokens)) / len(raw.tokens),
-            "len_after": sum(map(len, cut.tokens)) / len(cut.tokens)}
+            "len_after": sum(map(len, cut.tokens)) / len(cut.tokens),
+            # in-graph: how many completions hold a stop sequence, and whether each ends at its first one
+            "sequence_stops": sum(h is not None for h in hits),
+            "sequence_stops_at_first": sum(h == len(c) for h, c in zip(hits, again.tokens))}
 
 
 def main():

@@ -112,7 +112,8 @@ def test_backends_give_the_same_cut_completions_and_log_their_length(tmp_path):
     and truncation those of the cut completions."""
     tokenizer, strings = CharTokenizer(), ("12", "21", "33")
     task = CopyTask(tokenizer, 16, seed=0, num_digits=3)
-    task.stops = Stops(tokenizer.stop_ids, strings, tokenizer.decode, tuple(tuple(tokenizer.encode(s)) for s in strings))
+    sequences = tuple(tuple(tokenizer.encode(s)) for s in strings)  # one character, one token
+    task.stops = Stops(tokenizer.stop_ids, strings, tokenizer.decode, sequences)
     cfg = TrainConfig(prompts_per_step=8, samples_per_prompt=8, max_new_tokens=24, lr=1e-3, eval_every=0)
     runs, raws = {}, {}
     for attn in ("reference", "sdpa"):

@@ -7,9 +7,10 @@ The trainer talks to a backend through two calls, the same ones `minigrpo.engine
 
 `stop_ids` holds stop token ids, and token sequences (tuples) that end a completion too: the engine stops
 on them in its decode loop, an early exit for stop strings that the caller cuts at anyway (the reference
-generator ignores them). `seeds` holds one seed per completion (len(prompts) * samples_per_prompt), group-major like the result:
-with counter-based sampling a completion is a pure function of (weights, prompt, seed), so a rollout is
-reproducible whatever the batch composition, and an exact resume needs no sampler state.
+generator ignores them). `seeds` holds one seed per completion (len(prompts) * samples_per_prompt),
+group-major like the result: with counter-based sampling a completion is a pure function of (weights,
+prompt, seed), so a rollout is reproducible whatever the batch composition, and an exact resume needs no
+sampler state.
 
 `ReferenceBackend` runs `minigrpo.model.generate.generate` on the policy module itself: no KV cache, slow and
 obviously correct, the CPU backend. Since it *is* the policy, there is nothing to sync. The fast engine

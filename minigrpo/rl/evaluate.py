@@ -186,9 +186,9 @@ def main(argv: list[str] | None = None) -> None:
         dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
         model = load_model(model_dir, dtype=dtype, device=args.device).eval()
         n = min(len(task), args.limit or len(task))
-        prompt_budget([(task, n)], model.config.max_position_embeddings, args.max_new_tokens)
+        prompt_tokens = prompt_budget([(task, n)], model.config.max_position_embeddings, args.max_new_tokens)
         attn = args.attn or ("triton" if model.lm_head.weight.is_cuda else "reference")
-        backend = make_backend(attn, model, pad_id=tokenizer.pad_id)
+        backend = make_backend(attn, model, pad_id=tokenizer.pad_id, max_seq_len=prompt_tokens + args.max_new_tokens)
     except (OSError, ValueError, RuntimeError, ImportError) as e:
         raise SystemExit(f"error: {e}") from None
     res = evaluate(backend, task, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
-from minigrpo import distributed  # noqa: E402
+from minigrpo.rl import distributed  # noqa: E402
 from minigrpo.rl.trainer import Trainer  # noqa: E402
 
 

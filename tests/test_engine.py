@@ -173,12 +173,15 @@ def test_ends_with_stop_matches_whole_sequences_in_the_output_only():
     from minigrpo.engine.decode import ANY_TOKEN, NO_STOP, ends_with_stop
 
     stops = torch.tensor([[ANY_TOKEN, ANY_TOKEN, ANY_TOKEN, 9],      # a stop id
-                          [ANY_TOKEN, 4, 5, 6],                      # a 3-token sequence
+                          [ANY_TOKEN, 4, 5, 6],                      # 3-token sequences
+                          [ANY_TOKEN, 5, 5, 6],
                           [NO_STOP] * 4])                            # an unused row
-    out = torch.tensor([[1, 4, 5, 6, 0], [4, 5, 6, 0, 0], [5, 6, 0, 0, 0], [1, 9, 4, 5, 0], [3, 5, 6, 0, 0]])
-    ctr = torch.tensor([4, 3, 2, 2, 3])  # tokens written so far in each row
-    # row 2 ends with 5, 6 but its output starts there: a sequence never reaches into the prompt
-    assert ends_with_stop(out, ctr, stops).tolist() == [True, True, False, True, False]
+    out = torch.tensor([[1, 4, 5, 6, 0], [4, 5, 6, 0, 0], [5, 6, 0, 0, 0], [1, 9, 4, 5, 0], [3, 5, 6, 0, 0],
+                        [5, 5, 6, 0, 0]])
+    ctr = torch.tensor([4, 3, 2, 2, 3, 3])  # tokens written so far in each row
+    # row 2 ends with 5, 6 but its output starts there: a sequence never reaches into the prompt (read as
+    # column 0 repeated, 5 5 5 6 would match)
+    assert ends_with_stop(out, ctr, stops).tolist() == [True, True, False, True, False, True]
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

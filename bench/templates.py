@@ -34,6 +34,7 @@ from minigrpo.engine.rollout import make_backend  # noqa: E402
 from minigrpo.model.checkpoint import load_model  # noqa: E402
 from minigrpo.model.tokenizer import Tokenizer  # noqa: E402
 from minigrpo.rl.config import TrainConfig  # noqa: E402
+from minigrpo.rl.evaluate import evaluate  # noqa: E402
 from minigrpo.rl.trainer import Trainer, derive_seeds  # noqa: E402
 from minigrpo.tasks.qa import load_examples  # noqa: E402
 from minigrpo.tasks.task import QATask, prompt_budget  # noqa: E402
@@ -100,12 +101,11 @@ def main():
     backend = make_backend(args.attn, model, pad_id=tok.pad_id, max_seq_len=prompt_tokens + args.max_new_tokens,
                            max_batch=args.prompts * args.samples)
     cfg = TrainConfig(prompts_per_step=args.prompts, samples_per_prompt=args.samples,
-                      max_new_tokens=args.max_new_tokens, steps=args.steps, eval_limit=args.eval_limit,
-                      eval_batch_size=args.eval_limit, eval_samples=args.eval_samples, eval_temperature=1.0,
+                      max_new_tokens=args.max_new_tokens, steps=args.steps,
                       compile_policy=torch.device(args.device).type == "cuda")
     result = {}
     for name, task in tasks.items():
-        trainer = Trainer(cfg, model, tok, task, backend, out / name, eval_task=test, echo=False)
+        trainer = Trainer(cfg, model, tok, task, backend, out / name, echo=False)
         rows = []
         for _ in range(args.steps):
             m = trainer.step()
@@ -123,11 +123,11 @@ def main():
         if name == "r1":
             result["probe"] = probe(trainer, tok)
             print(f"stop probe {PROBE!r} on the engine's r1 rollout: {result['probe']}", flush=True)
-            res = trainer.evaluate()
-            result["eval"] = res
-            keys = [k for k in res if "@" in k or k in ("eval_n", "eval_seconds", "eval_examples_per_s",
-                                                       "eval_truncated_frac")]
-            print("sampled eval (r1):", ", ".join(f"{k[5:]} {res[k]:.3g}" for k in keys), flush=True)
+            res = evaluate(backend, test, max_new_tokens=args.max_new_tokens, batch_size=args.eval_limit,
+                           limit=args.eval_limit, samples=args.eval_samples, temperature=1.0, progress=False)
+            result["eval"] = {k: v for k, v in res.items() if k != "records"}
+            keys = [k for k in res if "@" in k or k in ("n", "seconds", "examples_per_s", "truncated_frac")]
+            print("sampled eval (r1):", ", ".join(f"{k} {res[k]:.3g}" for k in keys), flush=True)
         (out / "templates.json").write_text(json.dumps(result, indent=1))
 
 

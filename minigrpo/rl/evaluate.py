@@ -86,7 +86,8 @@ def _seeds(seed: int, example: int, k: int) -> list[int]:
 
 def summarize(records: list[dict], k: int) -> dict:
     """The metrics of per-example records with k completions each."""
-    flat = lambda key: [x for r in records for x in r[key]]  # noqa: E731
+    def flat(key):
+        return [x for r in records for x in r[key]]
     correct, n = flat("correct"), len(records)
     out = {"accuracy": sum(correct) / len(correct), "reward_mean": sum(flat("rewards")) / len(correct),
            "completion_len_mean": sum(map(len, flat("completion_ids"))) / len(correct),

@@ -54,7 +54,7 @@ SPLITS = ("train", "test")
 def final_answer(answer: str, final: str) -> str:
     """The reference final answer in an answer field (`Source.final` says where). Raises ValueError if none."""
     if final == "####":
-        head, sep, tail = answer.rpartition("####")
+        _, sep, tail = answer.rpartition("####")
         if not sep:
             raise ValueError("answer has no '#### <number>' line")
         truth = tail.strip().replace(",", "")

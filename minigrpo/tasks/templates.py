@@ -24,8 +24,8 @@ lands on that same last token. A rarer tokenisation decodes on, and is cut all t
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from minigrpo.model.generate import Rollout
 from minigrpo.model.tokenizer import IM_END

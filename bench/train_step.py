@@ -12,6 +12,9 @@ scored here by a stand-in reward, the parity of the completion's token sum: abou
 a group score 1, so every group trains. Timing does not depend on what the reward values are.
 Settings: 8 prompts x 8 samples x 256 new tokens, K=2, beta=0.04 (as train.py flags). JSON to $OUT.
 
+Each run also reports the memory estimate (minigrpo/rl/memory.py) beside its measured peak; a run the
+estimate says would not fit stops at start, and its one-line message is the result (`refused`).
+
 Data parallel (issue 6's scaling table): under `torchrun --nproc-per-node N` each rank rolls out
 --prompts prompts, so the per-GPU batch stays fixed and B = N x --prompts. Rank 0 reports; step times and
 tokens/s are over all ranks.
@@ -29,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
-from minigrpo import distributed  # noqa: E402
+from minigrpo.rl import distributed  # noqa: E402
 from minigrpo.rl.trainer import Trainer  # noqa: E402
 
 
@@ -61,8 +64,9 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
     # the full-logits flag goes last: it overrides a --logprob-chunk-size among the extra flags
     cli = train_cli.parse_args(flags + (["--compile", comp] if comp else []) + args.extra
                                + (["--logprob-chunk-size", "0"] if full_logits else []))
-    model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli)
-    backend = train_cli.build_backend(cli, model, tokenizer, task, None)
+    model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli, dist)  # DoesNotFit: stops at start
+    estimate = train_cli.memory_estimator(cli, model.config, task, None, dist.world)(cli.cfg)
+    backend = train_cli.build_backend(cli, model, tokenizer, task, None, dist.world)
     trainer = Trainer(cli.cfg, model, tokenizer, StandInReward(task), backend, out, tokenizer_dir=model_dir,
                       dist=dist)
     rows = [trainer.step() for _ in range(args.steps)]
@@ -83,7 +87,7 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
     del trainer, backend, model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return rows
+    return rows, estimate
 
 
 def main():
@@ -113,11 +117,24 @@ def main():
     runs = [(a, False) for a in args.attn.split(",") if a] + ([(args.full_logits_attn, True)] if args.full_logits else [])
     for attn, full in runs:
         name = (f"{attn}_full_logits" if full else attn).replace(":", "_compile_")
-        rows = run(attn, args, full, out / f"train_{name}", dist)
+        try:
+            rows, estimate = run(attn, args, full, out / f"train_{name}", dist)
+        except train_cli.DoesNotFit as e:  # the memory check stopped it at start: that line is the result
+            result[name] = {"refused": str(e)}
+            if dist.is_main:
+                print(name, json.dumps(result[name]), flush=True)
+            continue
         last = rows[-1]
         row = {k: last[k] for k in keys if k in last}
         row["rollout_share"] = last["time_rollout"] / last["time_step"]
         row["world"] = dist.world
+        # the memory estimate against the measured peak of the run's steps (minigrpo/rl/memory.py)
+        peak = max(r.get("peak_mem_gb", 0.0) for r in rows)
+        row.update(estimate_gb=estimate.total / 2**30, peak_gb=peak, estimate_error=estimate.total / 2**30 / peak - 1
+                   if peak else None, estimate_terms=str(estimate))
+        graphs = [r.get("compiled_graphs", 0) for r in rows]  # steps after the first that compiled nothing
+        warm = [r["time_step"] for i, r in enumerate(rows) if i and graphs[i] == graphs[i - 1]]
+        row["warm_step_s"] = min(warm) if warm else None
         row["every_step"] = [{k: round(r[k], 3) for k in keys if k in r and (k.startswith("time") or k == "compiled_graphs")}
                             for r in rows]
         result[name] = row

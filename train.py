@@ -277,7 +277,7 @@ def build_smoke(args):
     return model, tokenizer, train, test, None
 
 
-def build_gsm8k(args, dist: distributed.Dist = distributed.Dist()):
+def build_gsm8k(args, dist: distributed.Dist):
     from minigrpo.model.checkpoint import load_model
     from minigrpo.model.config import ModelConfig
     from minigrpo.model.tokenizer import Tokenizer
@@ -343,7 +343,9 @@ def check_memory(args, model_cfg, train, test, dist: distributed.Dist) -> None:
         return
     free = -int(dist.max(torch.tensor(-free)))
     peak = memory_estimator(args, model_cfg, train, test, dist.world, free)
-    fits = lambda cfg: peak(cfg).total * (1 + MEMORY_MARGIN) <= free  # noqa: E731
+
+    def fits(cfg: TrainConfig) -> bool:
+        return peak(cfg).total * (1 + MEMORY_MARGIN) <= free
     need, gib = peak(args.cfg), 2**30
     if fits(args.cfg):
         if dist.is_main:

@@ -183,17 +183,14 @@ def test_published_sizes_on_an_h200():
                           kl_beta=0.04, compile_policy=True)
     lean = replace(default, weights="bf16", activation_checkpointing=True, logprob_chunk_size=256)
     engine = EngineConfig(max_batch=64, max_seq_len=GSM8K_PROMPT + 256)
-    fits = {}
-    for size, d in SIZES.items():
-        m = ModelConfig.from_json(d)
-        for name, cfg in (("default", default), ("lean", lean)):
-            peak = lambda c: estimate(m, c, prompt_tokens=GSM8K_PROMPT, engine=engine, capacity=H200)  # noqa: E731
-            fits[size, name] = peak(cfg).total * (1 + train.MEMORY_MARGIN) <= H200
-    assert fits == {(s, n): s != "7b" or n == "lean" for s in SIZES for n in ("default", "lean")}
-    m = ModelConfig.from_json(SIZES["7b"])
-    change = train.leaner(default, lambda c: estimate(m, c, prompt_tokens=GSM8K_PROMPT, engine=engine,
-                                                      capacity=H200).total * (1 + train.MEMORY_MARGIN) <= H200)
-    assert change["weights"] == "bf16"
+
+    def fits(m: ModelConfig, cfg: TrainConfig) -> bool:
+        peak = estimate(m, cfg, prompt_tokens=GSM8K_PROMPT, engine=engine, capacity=H200).total
+        return peak * (1 + train.MEMORY_MARGIN) <= H200
+    models = {size: ModelConfig.from_json(d) for size, d in SIZES.items()}
+    assert {(s, n): fits(m, c) for s, m in models.items() for n, c in (("default", default), ("lean", lean))} == \
+        {(s, n): s != "7b" or n == "lean" for s in SIZES for n in ("default", "lean")}
+    assert train.leaner(default, lambda c: fits(models["7b"], c))["weights"] == "bf16"
 
 
 def test_each_rank_sizes_its_engine_to_its_share():

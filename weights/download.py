@@ -54,7 +54,9 @@ def write_random(config_path: Path, out: Path, seed: int, dtype: torch.dtype,
                  tokenizer_dir: Path | None) -> Path:
     """A model directory with random weights for `config_path`'s architecture (HF's initialiser)."""
     cfg = ModelConfig.from_json(config_path)
-    model = Qwen2ForCausalLM(cfg)
+    with torch.device("meta"):  # no default initialisation: init_weights sets every parameter (a 7B in half the time)
+        model = Qwen2ForCausalLM(cfg)
+    model.to_empty(device="cpu").tie_weights()
     init_weights(model, torch.Generator().manual_seed(seed), std=0.02)
     return save_model(model.to(dtype), out, tokenizer_dir=tokenizer_dir)
 

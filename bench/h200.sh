@@ -17,7 +17,7 @@ rand() {  # random weights at a published Qwen2.5 shape (0.5b, 1.5b, 3b, 7b) in 
 }
 case "${1:-}" in
   checks)      # correctness on the GPU: kernels in bf16, logits / greedy vs transformers, engine modes
-    python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 tests/test_kernels.py tests/test_gpu.py \
+    python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 tests/test_kernels.py tests/test_gpu.py tests/test_memory.py \
       2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[|passed|failed|FAILED|Error" ;;
   fitted)      # the same checks on confident weights: the random 0.5B fitted to GSM8K solutions, those of
                # the checked prompts learnt by heart (~3 min; bench/fit_gsm8k.py says why), where bf16

@@ -44,9 +44,10 @@ from minigrpo.model.config import ModelConfig
 from minigrpo.rl.config import TrainConfig
 from minigrpo.rl.trainer import SEQ_BUCKET
 
-# An eager layer keeps every elementwise intermediate (fp32 RoPE outputs, norm statistics, SwiGLU's parts);
-# measured about 1.5x the compiled layer's activations at the 0.5B shape (bench/NOTES.md, session 4).
-EAGER_FACTOR = 1.6
+# An eager layer also keeps the elementwise intermediates: norms in fp32, a bf16 cast of the input per matmul
+# under autocast, RoPE's halves and outputs, SwiGLU's activation. Counted op by op, 1.5x (bf16) to 1.65x (fp32
+# under autocast) the compiled layer at the Qwen2.5 shapes; bench/NOTES.md (session 4) measured 1.55x.
+EAGER_FACTOR = 1.75
 # Per (token, vocabulary) element of an LM-head block at its peak: chunked, the fp32 logits and one fp32
 # temporary (logsumexp's exponentials, the entropy's; in the backward, the matmul output and its cast);
 # full logits (chunk 0), the log-softmax kept for the backward, its gradient and one temporary.

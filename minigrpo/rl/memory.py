@@ -5,7 +5,7 @@ rather than running out of memory a minute in. Pure arithmetic: nothing is alloc
 
     peak = resident + max(update, scoring)
 
-resident (held from the first step on):
+resident (held from the first step on; weight_casts through every forward and backward):
   weights           the policy, P parameters x 4 bytes (fp32 master) or 2 (--weights bf16)
   optimizer         AdamW's two moments: 2 x P x 4, or 2 x P x 2 with bf16 weights (optim.py)
   reference         the KL anchor (beta > 0): a deep copy of the policy (trainer.py)
@@ -27,7 +27,9 @@ update (one micro-batch's forward and backward, the optimizer step's gradients):
 scoring (the no-grad reference / old log-prob passes; they hold no gradients):
   one layer's transient working set for a scoring batch, plus its LM-head chunk
 
-Under FSDP the weights, gradients, optimizer and reference terms would each divide by W (`_per_parameter`).
+Under FSDP the weights, gradients, optimizer and reference terms would each divide by W (`_per_parameter`);
+an engine that shares the policy's bf16 weights drops engine_copy, and one that frees its KV pool for the
+update moves kv_pool out of resident.
 The estimate counts allocated bytes (what torch.cuda.max_memory_allocated reports) for the longest prompt
 the data holds; train.py adds a margin for what the caching allocator reserves beyond them.
 
@@ -39,10 +41,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from minigrpo.model.config import ModelConfig
 from minigrpo.rl.config import TrainConfig
 from minigrpo.rl.trainer import SEQ_BUCKET
+
+if TYPE_CHECKING:  # not imported to run: the engine package loads the Triton kernels
+    from minigrpo.engine.config import EngineConfig
 
 # An eager layer also keeps the elementwise intermediates: norms in fp32, a bf16 cast of the input per matmul
 # under autocast, RoPE's halves and outputs, SwiGLU's activation. Counted op by op, 1.5x (bf16) to 1.65x (fp32
@@ -93,7 +99,8 @@ def _per_parameter(P: int, cfg: TrainConfig, fp32_sums: bool) -> dict[str, int]:
             "gradients": P * (4 if fp32_sums else w)}
 
 
-def _engine(m: ModelConfig, engine, P: int, prompts: int, prompt_tokens: int, e: int, free: int | None) -> dict:
+def _engine(m: ModelConfig, engine: EngineConfig, P: int, prompts: int, prompt_tokens: int, e: int,
+            free: int | None) -> dict:
     """The rollout engine's terms, its dtype e bytes; free: what its KV pool may take a fraction of."""
     C, D = m.hidden_size, m.head_dim
     copy = P * e + 2 * engine.max_seq_len * D * 4                                # + fp32 cos / sin tables
@@ -113,8 +120,8 @@ def _logits(cfg: TrainConfig, tokens: int, V: int) -> int:
     return min(cfg.logprob_chunk_size, tokens) * V * CHUNK_LOGIT_BYTES
 
 
-def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine=None, world: int = 1,
-             cuda: bool = True, capacity: int | None = None) -> MemoryEstimate:
+def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: EngineConfig | None = None,
+             world: int = 1, cuda: bool = True, capacity: int | None = None) -> MemoryEstimate:
     """Peak bytes of one rank. prompt_tokens: the longest prompt of a training batch; engine: the rollout
     engine's EngineConfig (max_batch = this rank's B x G / W), None for the reference generator; cuda: bf16
     engine and, with fp32 weights, bf16 autocast (else everything in the weights' dtype); capacity: the

@@ -20,6 +20,7 @@ tokens/s are over all ranks.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -29,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
-from minigrpo import distributed  # noqa: E402
+from minigrpo.engine.decode import DecodeModel  # noqa: E402
+from minigrpo.rl import distributed  # noqa: E402
 from minigrpo.rl.trainer import Trainer  # noqa: E402
 
 
@@ -65,7 +67,9 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
     backend = train_cli.build_backend(cli, model, tokenizer, task, None)
     trainer = Trainer(cli.cfg, model, tokenizer, StandInReward(task), backend, out, tokenizer_dir=model_dir,
                       dist=dist)
-    rows = [trainer.step() for _ in range(args.steps)]
+    pool = getattr(backend, "kv", None)  # the engine's KV pool, resident through the update
+    kv_gb = sum(t.numel() * t.element_size() for t in pool.k + pool.v) / 2**30 if pool else 0.0
+    rows = [dict(trainer.step(), kv_pool_gb=kv_gb) for _ in range(args.steps)]
     if args.profile:  # one more step under the profiler: where the time goes, GPU kernels vs host
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -99,8 +103,13 @@ def main():
     p.add_argument("--full-logits", action="store_true",
                    help="also one run with full logits (--logprob-chunk-size 0: the naive log_softmax)")
     p.add_argument("--profile", action="store_true", help="profile one extra step (profile.txt in each run's folder)")
+    p.add_argument("--engine-copy", action="store_true",
+                   help="the engine keeps a copy of the weights, synced after each update, even where it could share "
+                        "the policy's memory (--weights bf16 on CUDA): the behaviour before sharing, to compare")
     p.add_argument("extra", nargs="*", help="more train.py flags (after --)")
     args = p.parse_args()
+    if args.engine_copy:
+        DecodeModel.load_from = functools.partialmethod(DecodeModel.load_from, share=False)
     dist, args.device = distributed.init_from_env(args.device)  # torchrun: one GPU per rank
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
@@ -108,7 +117,7 @@ def main():
             "rollout_tokens_per_s", "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb",
             "trained_rows", "loss", "kl", "clip_frac", "grad_norm", "logp_diff_mean", "logp_diff_max",
             "mismatch_kl", "tis_weight_mean", "tis_ratio_max", "tis_capped_frac", "compiled_graphs",
-            "completion_len_mean")
+            "completion_len_mean", "kv_pool_gb")
     result = {}
     runs = [(a, False) for a in args.attn.split(",") if a] + ([(args.full_logits_attn, True)] if args.full_logits else [])
     for attn, full in runs:
@@ -118,8 +127,9 @@ def main():
         row = {k: last[k] for k in keys if k in last}
         row["rollout_share"] = last["time_rollout"] / last["time_step"]
         row["world"] = dist.world
-        row["every_step"] = [{k: round(r[k], 3) for k in keys if k in r and (k.startswith("time") or k == "compiled_graphs")}
-                            for r in rows]
+        row["every_step"] = [{k: round(r[k], 3) for k in keys
+                              if k in r and (k.startswith("time") or k in ("compiled_graphs", "peak_mem_gb"))}
+                             for r in rows]
         result[name] = row
         if dist.is_main:
             print(name, json.dumps(row), flush=True)

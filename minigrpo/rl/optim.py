@@ -16,13 +16,19 @@ The random bits are a hash of (seed, element index), the sampler's counter-based
 not a generator's stream: a step is a pure function of its seed, which the trainer derives from (seed,
 step), so runs are reproducible and resumes exact. It also lets the whole update of a chunk compile
 into one fused kernel (`compile=True`, on CUDA by default), instead of ~40 eager launches per chunk.
-The fp32 arithmetic runs over chunks of at most `chunk` elements, which keeps its temporaries small next
-to the model (the embedding alone is 136M elements).
+The update runs over chunks of the parameters' elements in order: a large parameter is cut into chunks of
+`chunk` elements; consecutive small ones (norms, biases, a small model's projections) are concatenated
+into one chunk and copied back, because each call of the compiled function costs host time (its guards
+and launch) that a small tensor's work does not cover. Element i of the concatenation keeps its global
+index, so the grouping does not change a single rounding. Eager, `chunk` bounds the fp32 temporaries;
+compiled, they live in registers and `chunk` only sets the call count.
 
 Shape legend: n elements of one chunk.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -62,12 +68,11 @@ class StochasticAdamW(torch.optim.Optimizer):
     """Decoupled-weight-decay Adam (torch.optim.AdamW's math) for bf16 parameters, rounding stochastically.
 
     compile: None = torch.compile the chunk update when the parameters are on CUDA (one compile, shapes
-    symbolic), eager elsewhere; the two compute the same thing."""
+    symbolic), eager elsewhere; the two compute the same thing. chunk: None = 64M elements compiled, 4M eager."""
 
     def __init__(self, params, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, chunk: int = 1 << 22, compile: bool | None = None):
+                 weight_decay: float = 0.0, chunk: int | None = None, compile: bool | None = None):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.chunk = chunk
         devices = set()
         for group in self.param_groups:
             for p in group["params"]:
@@ -77,6 +82,8 @@ class StochasticAdamW(torch.optim.Optimizer):
                 devices.add(p.device.type)
         if compile is None:
             compile = devices == {"cuda"}
+        # Compiled, fewer calls are faster (bench/optim.py); eager, 4M elements bound the fp32 temporaries.
+        self.chunk = chunk or (1 << 26 if compile else 1 << 22)
         self._update = torch.compile(_adamw_chunk, dynamic=True) if compile else _adamw_chunk
 
     @torch.no_grad()
@@ -86,22 +93,43 @@ class StochasticAdamW(torch.optim.Optimizer):
         offset = 0  # element index across all parameters: every element gets its own noise
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            consts = {}  # (device, t) -> (hyper, seeds) on that device: one small copy, not one per tensor
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p)     # bf16, like p
-                    state["exp_avg_sq"] = torch.zeros_like(p)
+                    state["step"] = torch.zeros((), dtype=torch.float32)  # a CPU tensor, as torch's AdamW keeps
+                    state["exp_avg"] = torch.zeros_like(p)                # it: no device sync
+                    state["exp_avg_sq"] = torch.zeros_like(p)             # bf16, like p
                 state["step"] += 1
-                t = state["step"].item()  # a CPU tensor, as torch's AdamW keeps it: no device sync
-                if (p.device, t) not in consts:
-                    hyper = torch.tensor([lr / (1 - b1 ** t), b1, b2, eps, 1 - lr * wd, 1 - b2 ** t])
-                    consts[p.device, t] = (hyper.to(p.device), streams.to(p.device))
-                hyper, seeds = consts[p.device, t]
-                flat = (p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1))
-                for w, g, m, v in zip(*(x.split(self.chunk) for x in flat)):  # (n,) views into p, grad, m, v
+            # Runs of parameters on one device at one step count share the step's constants.
+            for (device, t), run in itertools.groupby(params, lambda p: (p.device, self.state[p]["step"].item())):
+                hyper = torch.tensor([lr / (1 - b1 ** t), b1, b2, eps, 1 - lr * wd, 1 - b2 ** t]).to(device)
+                seeds = streams.to(device)
+                quads = [(p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]) for p in run]
+                for piece in _chunks(quads, self.chunk):
+                    w, g, m, v = (torch.cat(x) if len(piece) > 1 else x[0] for x in zip(*piece))  # (n,) each
                     self._update(w, g, m, v, hyper, seeds, offset)
+                    if len(piece) > 1:  # concatenated: copy the results back
+                        for j, new in ((0, w), (2, m), (3, v)):
+                            torch._foreach_copy_([q[j] for q in piece], new.split([q[0].numel() for q in piece]))
                     offset += w.numel()
+
+
+def _chunks(quads, chunk: int):
+    """The elements of (w, g, m, v) tensor quadruples, in order, as pieces: lists of flat views that hold at
+    most `chunk` elements together. A tensor of at least chunk / 4 elements is cut alone into chunks; smaller
+    consecutive ones share a piece."""
+    piece, size = [], 0
+    for quad in quads:
+        flat = [x.view(-1) for x in quad]                                                # (n,) each
+        n = flat[0].numel()
+        if piece and (size + n > chunk or 4 * n >= chunk):
+            yield piece
+            piece, size = [], 0
+        if 4 * n >= chunk:
+            yield from ([c] for c in zip(*(x.split(chunk) for x in flat)))
+        else:
+            piece.append(flat)
+            size += n
+    if piece:
+        yield piece

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|trl
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|engmem|trl
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
 set -u
@@ -15,6 +15,10 @@ rand05b() {  # the random-initialised Qwen2.5-0.5B the trainer benchmarks run on
 rand15b() {  # the same at the published 1.5B shape (the 0.5B's tokenizer: they share it)
   [ -d /tmp/rand15b ] || python3 weights/download.py --random-init \
     --config "$DATA/configs/qwen2.5-1.5b-instruct/config.json" --tokenizer-dir "$DATA/qwen2.5-0.5b-instruct" --out /tmp/rand15b
+}
+rand7b() {  # the 7B shape, its weights drawn on the GPU (seconds; the CPU takes minutes for 7.6B numbers)
+  [ -d /tmp/rand7b ] || python3 weights/download.py --random-init --device cuda \
+    --config "$DATA/configs/qwen2.5-7b-instruct/config.json" --tokenizer-dir "$DATA/qwen2.5-0.5b-instruct" --out /tmp/rand7b
 }
 case "${1:-}" in
   checks)      # correctness on the GPU: kernels in bf16, logits / greedy vs transformers, engine modes
@@ -84,11 +88,23 @@ case "${1:-}" in
       OUT=$OUT/ddp$n torchrun --standalone --nproc-per-node "$n" bench/train_step.py --model-dir /tmp/rand05b \
         --data "$DATA" --attn triton --steps 5 -- $LEAN "${@:2}" 2>&1 | grep -E "^triton|Error"
     done ;;
+  engmem)      # issue 17.2: the engine on the bf16 policy's own memory against its private copy (--engine-copy,
+               # the behaviour before), LEAN, 8 x 8 x 256, K = 2, beta 0.04, 3 steps, at 0.5B and 7B; per run
+               # the per-step peak GB and seconds (step 1 compiles, step 3 meets a new length bucket), the KV
+               # pool's GB and the sync's seconds (~6 min: 7B weights ~0.5, 0.5B runs ~1 each, 7B runs ~1.5 each)
+    rand05b; rand7b
+    for m in 05b 7b; do
+      for mode in copy share; do
+        OUT=$OUT/engmem_${m}_$mode python3 bench/train_step.py --model-dir /tmp/rand$m --data "$DATA" --attn triton \
+          --steps 3 $([ $mode = copy ] && echo --engine-copy) -- $LEAN "${@:2}" 2>&1 | grep -E "^triton|Error" \
+          | sed "s/^triton/$m $mode/"
+      done
+    done ;;
   trl)         # the peer: TRL GRPOTrainer on the same workload (../shared/peers/trl_baseline.py). Its wheels and
                # script must travel in .peers/ (git-ignored; carry it): cp ../shared/peers/{wheels/*.whl,*.py} .peers/
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl
     mkdir -p /tmp/peers && cp .peers/trl_baseline.py /tmp/peers/ && ln -sfn "$(realpath "$DATA")" /tmp/data
     PYTHONPATH=/tmp/site CACHE=${CACHE:-static} STEPS=${STEPS:-6} python3 /tmp/peers/trl_baseline.py 2>&1 | tail -3 ;;
-  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|trl [args]"
+  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|engmem|trl [args]"
      exit 2 ;;
 esac

@@ -69,7 +69,7 @@ class DecodeModel(nn.Module):
         A parameter already shared is skipped, so once shared this costs a data-pointer check per parameter;
         one replaced since (assigned, moved, or shared with another engine) is copied in and shared again."""
         assert model.config == self.cfg, "policy and engine were built for different configs"
-        pairs = self._slots(model)
+        pairs = self._views(model)
         share = share and all(type(p.data) is torch.Tensor and (p.dtype, p.device) == (v.dtype, v.device)
                               for p, v in pairs)  # a sharded (DTensor) parameter has no full tensor to view
         for p, v in pairs:
@@ -78,7 +78,7 @@ class DecodeModel(nn.Module):
                 if share:
                     p.data = v  # the same Parameter (optimizer, hooks, names unchanged), on the engine's memory
 
-    def _slots(self, model: Qwen2ForCausalLM) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    def _views(self, model: Qwen2ForCausalLM) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(policy parameter, the view of these buffers that holds it), for every parameter of the policy."""
         m, (q, k, _), Fw = model.model, self.qkv_sizes, self.cfg.intermediate_size
         pairs = [(m.embed_tokens.weight, self.embed), (m.norm.weight, self.norm)]

@@ -1,4 +1,5 @@
-"""The Dr. GRPO training loop: rollout -> reward -> advantages -> clipped policy-gradient updates.
+"""The Dr. GRPO training step: rollout -> reward -> advantages -> clipped policy-gradient updates.
+(The run around it, with evaluation, logging, checkpoints and stopping, is loop.py.)
 
 One step (`Trainer.step`, which reads as this list; each stage is one call, the plumbing below it):
   1. rollout   B prompts x G samples from the rollout backend, at the sampling temperature
@@ -43,35 +44,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from minigrpo.model.sampling import SamplingParams
 from minigrpo.rl.config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
 from minigrpo.rl.data import EpochSampler
 from minigrpo.rl.distributed import Dist, GradSync
-from minigrpo.rl.evaluate import evaluate
-from minigrpo.rl.grpo import (
-    dr_grpo_loss,
-    group_advantages,
-    nonzero_groups,
-    truncated_is_weights,
-)
+from minigrpo.rl.grpo import dr_grpo_loss, group_advantages, nonzero_groups, truncated_is_weights
 from minigrpo.rl.optim import StochasticAdamW
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
-from minigrpo.rl.step_metrics import (
-    UpdateSums,
-    mismatch_metrics,
-    rollout_metrics,
-    speed_and_memory,
-)
-from minigrpo.run.checkpoints import (
-    load_checkpoint,
-    resolve_checkpoint,
-    save_checkpoint,
-    set_latest,
-)
-from minigrpo.run.metrics import MetricsLogger, PhaseTimer
-from minigrpo.run.stopping import Interrupted, NonFiniteError, StopSignals, nonfinite
+from minigrpo.rl.step_metrics import UpdateSums, mismatch_metrics, rollout_metrics, speed_and_memory
+from minigrpo.run.checkpoints import load_checkpoint, resolve_checkpoint, save_checkpoint, set_latest
+from minigrpo.run.metrics import PhaseTimer
+from minigrpo.run.stopping import NonFiniteError, nonfinite
 
 _ROLLOUT, _SHUFFLE, _ROUND = 0x5A3D, 0x5AFF, 0x5A40  # stream tags for (seed, tag, step, ...) derivation
 SEQ_BUCKET = 64  # a compiled policy's batches are padded to a multiple of this many columns (Trainer._select)
@@ -137,7 +121,7 @@ class Trainer:
             # models; nn.Module.compile keeps the state-dict names. Static shapes: the trainer pads its
             # batches to fixed row counts and length buckets (_select), so a layer compiles once per bucket and
             # grad mode. Ragged shapes recompiled mid-run instead, 8-12 s a time, with automatic dynamic shapes
-            # as well as with dynamic=True (seen on the H200); `compiled_graphs` in the metrics shows any.
+            # as well as with dynamic=True; `compiled_graphs` in the metrics shows any.
             for m in (model, self.ref) if self.ref is not None else (model,):
                 for layer in m.model.layers:
                     layer.compile(dynamic=False)
@@ -365,67 +349,6 @@ class Trainer:
                                    chunk_size=self.cfg.logprob_chunk_size, amp_dtype=self.amp_dtype,
                                    return_entropy=return_entropy,
                                    checkpoint_layers=self.cfg.activation_checkpointing)
-
-    # ------------------------------------------------------------------------------------------- the loop
-
-    def evaluate(self) -> dict:
-        cfg = self.cfg
-        res = evaluate(self.backend, self.eval_task, stop_ids=self.stop_ids, limit=cfg.eval_limit,
-                       max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.eval_batch_size)
-        return {f"eval_{k}": v for k, v in res.items() if k != "records"}
-
-    def run(self) -> list[dict]:
-        """Train until cfg.steps, logging, evaluating and checkpointing on schedule. Returns the step records.
-
-        Stops early, raising, on SIGINT / SIGTERM (after the current step and a checkpoint: `Interrupted`)
-        and on a NaN or inf loss or weight (before saving them: `NonFiniteError`); see stopping.py."""
-        cfg, main = self.cfg, self.dist.is_main  # rank 0 alone evaluates, logs and saves
-        logger = MetricsLogger(self.out_dir, tensorboard=self.tensorboard, echo=self.echo,
-                               resume_step=self.step_idx if self.step_idx else None) if main else None
-        evaluating = main and self.eval_task is not None and cfg.eval_every
-        history = []
-        bar = tqdm(total=cfg.steps, initial=self.step_idx, desc="train", unit="step", disable=None if main else True)
-        try:
-            with StopSignals() as signals:
-                if evaluating and self.step_idx == 0:
-                    logger.log({"step": 0, **self.evaluate()})
-                while self.step_idx < cfg.steps:
-                    signum = int(self.dist.max(torch.tensor(signals.received or 0)))  # any rank's signal stops all
-                    if signum:
-                        raise Interrupted(signum, self.step_idx, self.save())
-                    m = self.step()
-                    bad = nonfinite(self.model, m)
-                    if bad:
-                        if main:
-                            logger.log(m)
-                        raise NonFiniteError(self.step_idx, bad)
-                    done = self.step_idx == cfg.steps
-                    if evaluating and (self.step_idx % cfg.eval_every == 0 or done):
-                        m.update(self.evaluate())
-                    if main and cfg.sample_every and self.step_idx % cfg.sample_every == 0:
-                        logger.log_samples(self.step_idx, self._samples())
-                    if main:
-                        logger.log(m)
-                    history.append(m)
-                    if (cfg.save_every and self.step_idx % cfg.save_every == 0) or done:
-                        self.save()
-                    bar.set_postfix(reward=f"{m['reward_mean']:.3f}")
-                    bar.update()
-        finally:
-            bar.close()
-            if logger is not None:
-                logger.close()
-        return history
-
-    def _samples(self) -> list[dict]:
-        r, G = self.last_rollout, self.cfg.samples_per_prompt
-        out = []
-        for j in range(min(self.cfg.num_samples, len(r["completions"]))):
-            row = j * G  # the first sample of each of the first prompts
-            ex = r["examples"][row // G]
-            text = self.tokenizer.decode(r["completions"][row], skip_special_tokens=False)  # show the stop
-            out.append({**self.task.describe(ex), "completion": text, "reward": r["rewards"][row]})
-        return out
 
     # ------------------------------------------------------------------------------------------- checkpoints
 

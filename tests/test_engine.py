@@ -175,8 +175,8 @@ def test_engine_shares_the_policys_memory_and_follows_its_updates_without_a_sync
     policy = random_model(CFG, seed=1, std=0.2)
     engine = make_engine(policy, attn="sdpa")
     weights = [b for name, b in engine.model.named_buffers() if name not in ("cos", "sin")]
-    storage = lambda tensors: {t.untyped_storage().data_ptr() for t in tensors}  # noqa: E731
-    assert storage(policy.parameters()) <= storage(weights)
+    storages = {p.untyped_storage().data_ptr() for p in policy.parameters()}
+    assert storages <= {b.untyped_storage().data_ptr() for b in weights}  # every parameter in the engine's memory
     assert sum(p.numel() for p in policy.parameters()) == sum(b.numel() for b in weights)  # no second copy
     a = policy.model.layers[1].self_attn
     assert a.k_proj.weight.data_ptr() == engine.model.w_qkv[1, a.q_proj.out_features].data_ptr()  # fused rows

@@ -1,14 +1,11 @@
 """The inference side of the model: packed bf16 weights, batched prefill, and the decode step.
 
 The engine's weights are laid out for inference: q/k/v fused into one matmul and gate/up into another,
-stacked over layers. `load_from` takes the trainer's policy (HF layout) in one of two ways:
-- shared: when the policy's parameters already have the engine's dtype and device (`--weights bf16` on
-  CUDA, fp32 on the CPU), each one becomes a view of the buffer slice that holds it (q_proj.weight of
-  layer i is rows [0, H*D) of w_qkv[i]). The optimizer then updates the engine's weights in place: no
-  second copy in memory, nothing to sync. Names, shapes and autograd are the policy's as before.
-- copied: otherwise (fp32 master weights for a bf16 engine; sharded parameters), a cast copy after each
-  update.
-Either way the buffers never move, so captured CUDA graphs, which hold buffer addresses, stay valid.
+stacked over layers. `load_from` shares them with the trainer's policy when its parameters have the
+engine's dtype and device (`--weights bf16` on CUDA): each parameter becomes a view of the slice that
+holds it, so the optimizer updates the engine in place and there is nothing to copy or sync. Otherwise
+(fp32 master weights, sharded parameters) it copies and casts after each update. The buffers never move,
+so captured CUDA graphs, which hold buffer addresses, stay valid.
 
 `decode_step` is the unit that gets compiled and captured: embed -> layers (norm, qkv, RoPE + KV store,
 paged attention, o_proj, MLP) -> final norm -> LM head -> sampling -> per-slot bookkeeping. Every input

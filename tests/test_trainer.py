@@ -390,17 +390,17 @@ def test_keep_checkpoints_prunes_old_ones(tmp_path):
 @pytest.mark.parametrize("share", [True, False])
 def test_engine_backend_agrees_with_the_reference_and_follows_updates(tmp_path, share):
     pytest.importorskip("minigrpo.engine.engine", reason="the fast engine is not available")
-    reference = _synthetic_trainer(tmp_path / "ref", lr=1e-2)
-    engine = _synthetic_trainer(tmp_path / "engine", "sdpa", lr=1e-2)
+    reference = _synthetic_trainer(tmp_path / "ref", lr=1e-2, kl_beta=0.05)
+    engine = _synthetic_trainer(tmp_path / "engine", "sdpa", lr=1e-2, kl_beta=0.05)
     if not share:  # the copy path (fp32 master weights with a bf16 engine): a private copy, synced after updates
         backend = engine.backend = make_backend("sdpa", copy.deepcopy(engine.model), pad_id=engine.pad_id,
                                                 max_seq_len=16)
         backend.load_weights = lambda model: backend.model.load_from(model, share=False)
     for _ in range(3):  # after step 1 the engine only agrees if it samples the updated policy
-        reference.step()
-        b = engine.step()
+        a, b = reference.step(), engine.step()
         assert engine.last_rollout == reference.last_rollout  # same seeds -> same completions
         assert b["logp_diff_max"] <= 1e-4
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-3)  # the KL anchor is a copy, not the shared weights
 
 
 def test_make_backend_sizes_the_engine_to_the_rollout_and_picks_cpu_defaults():

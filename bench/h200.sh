@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|sizes|trl
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|sizes|engmem|trl
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
 set -u
@@ -12,8 +12,8 @@ rand() {  # random weights at a published Qwen2.5 shape (0.5b, 1.5b, 3b, 7b) in 
           # rand7b, written once per machine, with the 0.5B's tokenizer (the family shares it)
   local cfg=$DATA/configs/qwen2.5-$1-instruct/config.json
   [ "$1" = 0.5b ] && cfg=$DATA/qwen2.5-0.5b-instruct/config.json
-  [ -d "/tmp/rand${1/./}" ] || python3 weights/download.py --random-init --config "$cfg" \
-    --tokenizer-dir "$DATA/qwen2.5-0.5b-instruct" --out "/tmp/rand${1/./}"
+  [ -d "/tmp/rand${1/./}" ] || python3 weights/download.py --random-init --config "$cfg" --device cuda \
+    --tokenizer-dir "$DATA/qwen2.5-0.5b-instruct" --out "/tmp/rand${1/./}"  # drawn on the GPU: seconds, not minutes
 }
 case "${1:-}" in
   checks)      # correctness on the GPU: kernels in bf16, logits / greedy vs transformers, engine modes
@@ -96,11 +96,23 @@ case "${1:-}" in
       OUT=$OUT/sizes_${m}_default $T 2>&1 | grep -E "^triton|Error" | sed "s/^triton/$m default/"
       OUT=$OUT/sizes_${m}_lean $T -- $LEAN 2>&1 | grep -E "^triton|Error" | sed "s/^triton/$m lean/"
     done ;;
+  engmem)      # issue 17.2: the engine on the bf16 policy's own memory against its private copy (--engine-copy,
+               # the behaviour before), LEAN, 8 x 8 x 256, K = 2, beta 0.04, 3 steps, at 0.5B and 7B; per run
+               # the per-step peak GB and seconds (step 1 compiles, step 3 meets a new length bucket), the KV
+               # pool's GB and the sync's seconds (~6 min: 7B weights ~0.5, 0.5B runs ~1 each, 7B runs ~1.5 each)
+    rand 0.5b; rand 7b
+    for m in 05b 7b; do
+      for mode in copy share; do
+        OUT=$OUT/engmem_${m}_$mode python3 bench/train_step.py --model-dir /tmp/rand$m --data "$DATA" --attn triton \
+          --steps 3 $([ $mode = copy ] && echo --engine-copy) -- $LEAN "${@:2}" 2>&1 | grep -E "^triton|Error" \
+          | sed "s/^triton/$m $mode/"
+      done
+    done ;;
   trl)         # the peer: TRL GRPOTrainer on the same workload (../shared/peers/trl_baseline.py). Its wheels and
                # script must travel in .peers/ (git-ignored; carry it): cp ../shared/peers/{wheels/*.whl,*.py} .peers/
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl
     mkdir -p /tmp/peers && cp .peers/trl_baseline.py /tmp/peers/ && ln -sfn "$(realpath "$DATA")" /tmp/data
     PYTHONPATH=/tmp/site CACHE=${CACHE:-static} STEPS=${STEPS:-6} python3 /tmp/peers/trl_baseline.py 2>&1 | tail -3 ;;
-  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|sizes|trl [args]"
+  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|sizes|engmem|trl [args]"
      exit 2 ;;
 esac

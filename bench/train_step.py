@@ -23,6 +23,7 @@ tokens/s are over all ranks.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -32,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
+from minigrpo.engine.decode import DecodeModel  # noqa: E402
 from minigrpo.rl import distributed  # noqa: E402
 from minigrpo.rl.trainer import Trainer  # noqa: E402
 
@@ -71,7 +73,9 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
     backend = train_cli.build_backend(cli, model, tokenizer, task, None, dist.world)
     reward = StandInReward(task)
     trainer = Trainer(cli.cfg, model, tokenizer, reward, backend, out, tokenizer_dir=model_dir, dist=dist)
-    rows = [trainer.step() for _ in range(args.steps)]
+    pool = getattr(backend, "kv", None)  # the engine's KV pool, resident through the update
+    kv_gb = sum(t.numel() * t.element_size() for t in pool.k + pool.v) / 2**30 if pool else 0.0
+    rows = [dict(trainer.step(), kv_pool_gb=kv_gb) for _ in range(args.steps)]
     # The estimate the start-up check made (for the data's longest prompt), and for the longest one drawn
     estimates = [train_cli.memory_estimator(cli, model.config, task, None, dist.world, longest_prompt=n)(cli.cfg)
                  for n in (None, reward.longest)]
@@ -98,7 +102,7 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
 KEYS = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_sync", "time_step", "rollout_tokens_per_s",
         "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb", "trained_rows", "loss", "kl", "clip_frac",
         "grad_norm", "logp_diff_mean", "logp_diff_max", "mismatch_kl", "tis_weight_mean", "tis_ratio_max",
-        "tis_capped_frac", "compiled_graphs", "completion_len_mean")
+        "tis_capped_frac", "compiled_graphs", "completion_len_mean", "kv_pool_gb")
 
 
 def summary(rows: list[dict], estimates, world: int) -> dict:
@@ -132,8 +136,13 @@ def main():
     p.add_argument("--full-logits", action="store_true",
                    help="also one run with full logits (--logprob-chunk-size 0: the naive log_softmax)")
     p.add_argument("--profile", action="store_true", help="profile one extra step (profile.txt in each run's folder)")
+    p.add_argument("--engine-copy", action="store_true",
+                   help="the engine keeps a copy of the weights, synced after each update, even where it could share "
+                        "the policy's memory (--weights bf16 on CUDA): the behaviour before sharing, to compare")
     p.add_argument("extra", nargs="*", help="more train.py flags (after --)")
     args = p.parse_args()
+    if args.engine_copy:
+        DecodeModel.load_from = functools.partialmethod(DecodeModel.load_from, share=False)
     dist, args.device = distributed.init_from_env(args.device)  # torchrun: one GPU per rank
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)

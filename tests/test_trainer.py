@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import QWEN_DIR, random_model, tiny_config
 
-from minigrpo.engine.rollout import ReferenceBackend
+from minigrpo.engine.rollout import ReferenceBackend, make_backend
 from minigrpo.model.generate import Rollout, generate
 from minigrpo.model.sampling import SamplingParams
 from minigrpo.rl.config import WEIGHT_DTYPES, TrainConfig, lr_factor
@@ -282,14 +282,15 @@ def test_several_minibatches_score_the_old_policy_in_a_separate_pass(tmp_path):
 # ------------------------------------------------------------------------------------------ learning and resume
 
 
-def _synthetic_trainer(out_dir, **overrides):
+def _synthetic_trainer(out_dir, attn="reference", **overrides):
     tokenizer = CharTokenizer()
     cfg = TrainConfig(**{"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": 3, "lr": 1e-3,
                          "micro_batch_size": 128, "eval_every": 0, "sample_every": 0, "save_every": 0,
                          "steps": 150, **overrides})
     model = tiny_policy(tokenizer.vocab_size, seed=0).to(WEIGHT_DTYPES[cfg.weights])
     task = FirstDigitTask(tokenizer, 10_000, seed=0)
-    return Trainer(cfg, model, tokenizer, task, ReferenceBackend(model, tokenizer.pad_id), out_dir, echo=False)
+    backend = make_backend(attn, model, pad_id=tokenizer.pad_id, max_seq_len=16)  # an engine shares fp32 weights
+    return Trainer(cfg, model, tokenizer, task, backend, out_dir, echo=False)
 
 
 @pytest.mark.slow
@@ -312,26 +313,30 @@ def _comparable(m):
     return {k: v for k, v in m.items() if not any(t in k for t in _TIMING)}
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, weights):
+@pytest.mark.parametrize("weights, attn", [("fp32", "reference"), ("bf16", "reference"), ("fp32", "sdpa")])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, weights, attn):
     # Multiple inner epochs, shuffled minibatches, warmup + cosine, KL to a reference: every piece of state;
-    # with bf16 weights also the stochastic rounding's random bits.
+    # with bf16 weights also the stochastic rounding's random bits; with the engine (sdpa), weights it shares.
+    if attn != "reference":
+        pytest.importorskip("minigrpo.engine.engine", reason="the fast engine is not available")
     cfg = dict(steps=4, inner_epochs=2, minibatch_size=32, micro_batch_size=16, warmup_steps=2,
                lr_schedule="cosine", kl_beta=0.05, lr=3e-3, weights=weights)
-    full = _synthetic_trainer(tmp_path / "full", **cfg)
+    full = _synthetic_trainer(tmp_path / "full", attn, **cfg)
     expected = [full.step() for _ in range(4)]
 
-    first = _synthetic_trainer(tmp_path / "split", **cfg)
+    first = _synthetic_trainer(tmp_path / "split", attn, **cfg)
     first.step(), first.step()
     ckpt = first.save()
     torch.manual_seed(123)  # disturb the global RNGs: the resumed run must not depend on them
-    second = _synthetic_trainer(tmp_path / "split", **cfg)
+    second = _synthetic_trainer(tmp_path / "split", attn, **cfg)
     second.resume(tmp_path / "split")
     assert second.step_idx == 2
     resumed = [second.step(), second.step()]
     assert [_comparable(m) for m in resumed] == [_comparable(m) for m in expected[2:]]
     for name, w in full.model.state_dict().items():
         assert torch.equal(second.model.state_dict()[name], w), name
+    if attn != "reference":  # the checkpoint was loaded into the memory the engine reads
+        assert second.model.model.norm.weight.data_ptr() == second.backend.model.norm.data_ptr()
 
     if weights == "bf16":  # the moments stay bf16, and the weights really moved
         assert all(v["exp_avg"].dtype == torch.bfloat16 for v in second.optimizer.state.values())
@@ -382,24 +387,24 @@ def test_keep_checkpoints_prunes_old_ones(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000003"]
 
 
-@pytest.mark.parametrize("attn", ["sdpa"])
-def test_engine_backend_agrees_with_the_reference_and_is_synced_after_updates(tmp_path, attn):
+@pytest.mark.parametrize("share", [True, False])
+def test_engine_backend_agrees_with_the_reference_and_follows_updates(tmp_path, share):
     pytest.importorskip("minigrpo.engine.engine", reason="the fast engine is not available")
-    from minigrpo.engine.rollout import make_backend
-
-    reference = _synthetic_trainer(tmp_path / "ref", lr=1e-2)
-    engine = _synthetic_trainer(tmp_path / "engine", lr=1e-2)
-    engine.backend = make_backend(attn, engine.model, pad_id=engine.pad_id, max_seq_len=16)
-    for _ in range(3):  # after step 1 the engine only agrees if load_weights copied the updated policy
-        reference.step()
-        b = engine.step()
+    reference = _synthetic_trainer(tmp_path / "ref", lr=1e-2, kl_beta=0.05)
+    engine = _synthetic_trainer(tmp_path / "engine", "sdpa", lr=1e-2, kl_beta=0.05)
+    if not share:  # the copy path (fp32 master weights with a bf16 engine): a private copy, synced after updates
+        backend = engine.backend = make_backend("sdpa", copy.deepcopy(engine.model), pad_id=engine.pad_id,
+                                                max_seq_len=16)
+        backend.load_weights = lambda model: backend.model.load_from(model, share=False)
+    for _ in range(3):  # after step 1 the engine only agrees if it samples the updated policy
+        a, b = reference.step(), engine.step()
         assert engine.last_rollout == reference.last_rollout  # same seeds -> same completions
         assert b["logp_diff_max"] <= 1e-4
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-3)  # the KL anchor is a copy, not the shared weights
 
 
 def test_make_backend_sizes_the_engine_to_the_rollout_and_picks_cpu_defaults():
     pytest.importorskip("minigrpo.engine.engine", reason="the fast engine is not available")
-    from minigrpo.engine.rollout import make_backend
     model = tiny_policy(CharTokenizer().vocab_size, seed=0)
     engine = make_backend("sdpa", model, pad_id=0, max_seq_len=40, max_batch=24)
     assert (engine.cfg.compile, engine.cfg.cuda_graphs, engine.cfg.sampler) == ("none", False, "torch")

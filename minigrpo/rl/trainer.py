@@ -18,7 +18,8 @@ One step (`Trainer.step`, which reads as this list; each stage is one call, the 
                so dropping them is a pure saving: the gradient is exactly the full minibatch's. Each token's
                surrogate is weighted by min(pi_old / pi_rollout, tis_cap) (truncated importance sampling,
                grpo.py): the engine samples from its own bf16 distribution, not exactly from pi_old
-  6. sync      the backend's weights are refreshed from the policy (`load_weights`), timed
+  6. sync      the backend's weights are refreshed from the policy (`load_weights`), timed; nothing to do when
+               the engine shares the policy's memory (`--weights bf16` on CUDA: engine/decode.py)
 The LR (linear warmup, then constant or cosine) is a function of the step number: no scheduler state.
 Data parallel (torchrun, `dist`): each rank rolls out its block of the B prompts and the update runs
 through DDP; the math is the single-process step's (distributed.py). Step metrics are over all ranks.

@@ -102,7 +102,7 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
 KEYS = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_sync", "time_step", "rollout_tokens_per_s",
         "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb", "trained_rows", "loss", "kl", "clip_frac",
         "grad_norm", "logp_diff_mean", "logp_diff_max", "mismatch_kl", "tis_weight_mean", "tis_ratio_max",
-        "tis_capped_frac", "compiled_graphs", "completion_len_mean", "kv_pool_gb")
+        "tis_capped_frac", "compiled_graphs", "compile_s", "completion_len_mean", "kv_pool_gb")
 
 
 def summary(rows: list[dict], estimates, world: int) -> dict:
@@ -118,7 +118,7 @@ def summary(rows: list[dict], estimates, world: int) -> dict:
     graphs = [r.get("compiled_graphs", 0) for r in rows]
     warm = [r["time_step"] for i, r in enumerate(rows) if i and graphs[i] == graphs[i - 1]]
     row["warm_step_s"] = min(warm) if warm else None
-    row["every_step"] = [{k: round(r[k], 3) for k in KEYS if k in r and (k.startswith("time") or k == "compiled_graphs")}
+    row["every_step"] = [{k: round(r[k], 3) for k in KEYS if k in r and (k.startswith("time") or k in ("compiled_graphs", "compile_s"))}
                          for r in rows]
     return row
 

@@ -16,7 +16,7 @@ from minigrpo.rl.data import EpochSampler
 from minigrpo.rl.evaluate import evaluate
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.rl.trainer import Trainer
-from minigrpo.run.metrics import MetricsLogger
+from minigrpo.run.metrics import MetricsLogger, PhaseTimer
 from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
 
 STOP, PAD = 31, 0
@@ -472,6 +472,17 @@ def test_metrics_log_and_resume_truncation(tmp_path):
         log.log({"step": s, "reward_mean": s / 10})
     MetricsLogger(tmp_path, resume_step=2, echo=False)  # the run is resumed from step 2's checkpoint
     assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_phase_timer_counts_the_seconds_spent_compiling():
+    # A compile is counted once, with the backward graph compiled at its first use; a cached call costs nothing.
+    timer = PhaseTimer(torch.device("cpu"), ("a",))
+    f = torch.compile(lambda x: (x * 2).sin().sum(), backend="aot_eager", dynamic=False)
+    x = torch.randn(3, requires_grad=True)
+    f(x).backward()
+    first = timer.compiling
+    f(x).backward()
+    assert first > 0 and timer.compiling == first
 
 
 def test_tensorboard_logs_or_says_how_to_install_it(tmp_path):

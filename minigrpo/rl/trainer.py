@@ -240,9 +240,9 @@ class Trainer:
         sums = UpdateSums(self.device)
         for k, epoch, minibatch in self._minibatches(rows, trained):
             self.optimizer.zero_grad(set_to_none=True)
-            for micro, last, weight in self._micro_batches(minibatch):
+            for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch)):
                 mb, idx = self._select(rows.batch, micro, self.cfg.micro_batch_size)           # (m, T'), (m,)
-                with self.policy.accumulate(last):  # the last micro-batch's backward all-reduces (DDP)
+                with self.policy.accumulate(u == 0, last):  # the last backward all-reduces (DDP)
                     if fill and epoch == 0:
                         logp, ent = self.policy(mb, True)                                      # (m, C') each
                         n, real = len(micro), idx[:len(micro)]

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(rows to the micro-batch size, columns to a multiple of 64), so each length bucket "
                         "compiles once, during the first steps (default: on with CUDA)")
     g.add_argument("--logprob-chunk-size", type=int, default=D.logprob_chunk_size,
-                   help="tokens per LM-head chunk when computing log-probs (memory: chunk x vocab x 4 bytes); "
+                   help="tokens per LM-head chunk when computing log-probs (memory: ~2 x chunk x vocab x 2 bytes on CUDA); "
                         "0 = full logits, the naive way (to compare memory)")
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                    default=D.activation_checkpointing,

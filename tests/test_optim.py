@@ -205,7 +205,8 @@ def test_two_bf16_micro_batch_gradients_need_no_fp32_sum():
     from minigrpo.rl.distributed import Dist, GradSync
 
     g = torch.Generator().manual_seed(0)
-    grads = [(64 + 64 * torch.rand(4096, generator=g)).bfloat16(), (0.1 + 0.14 * torch.rand(4096, generator=g)).bfloat16()]
+    grads = [(64 + 64 * torch.rand(4096, generator=g)).bfloat16(),
+             (0.1 + 0.14 * torch.rand(4096, generator=g)).bfloat16()]
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16))
     sync = GradSync(model, lambda m, grad: (m.w * grad).sum(), Dist())

@@ -557,20 +557,23 @@ def test_compiled_policy_trains_like_the_eager_one(tmp_path):
     # a sum of n terms, a few 1e-6 of the gradient's norm after a backward through the tiny model. 1e-4 is
     # far above that and far below what a real difference makes (a wrong mask, row, scale or padding changes
     # the gradient by O(1) of its norm).
+    # Compiled with activation checkpointing too: the recomputation is compiled into the layer's backward.
     cfg = dict(steps=1, inner_epochs=2, micro_batch_size=32, kl_beta=0.05, lr=3e-3)
     runs = []
-    for compiled in (False, True):
-        trainer = _synthetic_trainer(tmp_path / str(compiled), compile_policy=compiled, **cfg)
+    for compiled, ckpt in ((False, False), (True, False), (True, True)):
+        trainer = _synthetic_trainer(tmp_path / f"{compiled}{ckpt}", compile_policy=compiled,
+                                     activation_checkpointing=ckpt, **cfg)
         grads = _record_gradients(trainer)
         runs.append((trainer.step(), grads))
     assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in trainer.model.model.layers)
-    (eager, eager_grads), (compiled, compiled_grads) = runs
-    for key in ("loss", "kl", "entropy", "grad_norm", "logp_diff_mean"):
-        assert compiled[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-7), key
-    assert len(eager_grads) == len(compiled_grads) == 2  # one optimizer step per epoch
-    for got, want in zip(compiled_grads, eager_grads):
-        assert got.keys() == want.keys()  # same names: compiling in place keeps them
-        _assert_gradients_close(got, want, rtol=1e-4)
+    (eager, eager_grads), *compiled_runs = runs
+    for compiled, compiled_grads in compiled_runs:
+        for key in ("loss", "kl", "entropy", "grad_norm", "logp_diff_mean"):
+            assert compiled[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-7), key
+        assert len(eager_grads) == len(compiled_grads) == 2  # one optimizer step per epoch
+        for got, want in zip(compiled_grads, eager_grads):
+            assert got.keys() == want.keys()  # same names: compiling in place keeps them
+            _assert_gradients_close(got, want, rtol=1e-4)
 
 
 def test_a_compiled_policy_compiles_every_length_bucket_and_never_falls_back_silently(monkeypatch):

@@ -192,6 +192,25 @@ def test_only_informative_groups_are_forwarded_and_the_gradient_is_the_full_batc
         torch.testing.assert_close(grads[name], want, atol=1e-6, rtol=1e-4, msg=name)
 
 
+def test_micro_batches_group_rows_of_about_one_length(tmp_path):
+    # 8 informative rows of total lengths 8, 7, 6, 5, 4, 4, 3, 2 in micro-batches of 2: sorted, each pair pads
+    # to its longer row (8, 6, 4, 3 columns); in the shuffled order they pad to 8, 3, 5, 7. The gradient stays
+    # the full minibatch's (the test above); here only the grouping.
+    model = random_model(tiny_config(tied=False, vocab=32), seed=3, std=0.1).train()
+    script = {4: [[10], [11, STOP], [10, 13, 14, 15, STOP], [12, 13, 14, 15, 16, STOP]],
+              6: [[13], [10, 10, STOP], [14, 15, 16, STOP], [10, 16, 17, 18, STOP]]}
+    trainer, _ = _trainer(model, script, [[4, 5], [6]], tmp_path, micro_batch_size=2)
+    widths, inner = [], model.hidden_states
+
+    def record(ids, *args, **kwargs):
+        widths.append(ids.shape[1])
+        return inner(ids, *args, **kwargs)
+
+    model.hidden_states = record
+    trainer.step()
+    assert widths == [8, 6, 4, 3]
+
+
 def _row_logprobs(model, prompt, completion) -> torch.Tensor:
     """Log-probs of one completion's tokens, the row scored alone from full logits. (c,)"""
     logp_all = model(torch.tensor([prompt + completion]))[0].log_softmax(-1)        # (T, V)

@@ -240,7 +240,7 @@ class Trainer:
         sums = UpdateSums(self.device)
         for k, epoch, minibatch in self._minibatches(rows, trained):
             self.optimizer.zero_grad(set_to_none=True)
-            for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch)):
+            for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch, rows.batch)):
                 mb, idx = self._select(rows.batch, micro, self.cfg.micro_batch_size)           # (m, T'), (m,)
                 with self.policy.accumulate(u == 0, last):  # the last backward all-reduces (DDP)
                     if fill and epoch == 0:
@@ -282,11 +282,14 @@ class Trainer:
                 if trained[drawn].any():
                     yield epoch * (N // M) + start // M, epoch, [rows.position[r] for r in drawn if r in rows.position]
 
-    def _micro_batches(self, minibatch: list[int]):
-        """(rows, last, loss weight) of each micro-batch. The weight is DDP's loss scale (1.0, exact, with one
-        rank); a rank with none of the minibatch's rows backwards a stand-in row at weight 0, because DDP
-        needs a backward from every rank."""
+    def _micro_batches(self, minibatch: list[int], batch: SequenceBatch):
+        """(rows, last, loss weight) of each micro-batch: the minibatch's rows longest first, so that rows of
+        about one length share a micro-batch and pad little. The loss of every micro-batch is normalised by the
+        whole minibatch, so the grouping leaves the gradient the minibatch's. The weight is DDP's loss scale
+        (1.0, exact, with one rank); a rank with none of the minibatch's rows backwards a stand-in row at
+        weight 0, because DDP needs a backward from every rank."""
         size = self.cfg.micro_batch_size
+        minibatch = sorted(minibatch, key=lambda r: -(batch.prompt_lens[r] + batch.completion_lens[r]))
         micro = [minibatch[u:u + size] for u in range(0, len(minibatch), size)]
         if not micro:
             yield [0], True, 0.0

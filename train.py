@@ -163,9 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "bf16: bf16 weights and AdamW moments, updated with stochastic rounding (8 bytes/param)")
     g.add_argument("--compile-policy", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the policy's decoder layers for the training and scoring forwards "
-                        "(fused elementwise ops, fewer kernel launches). Batches are padded to static shapes "
-                        "(rows to the micro-batch size, columns to a multiple of 64), so each length bucket "
-                        "compiles once, during the first steps (default: on with CUDA)")
+                        "(fused elementwise ops, fewer kernel launches). Batch and length dimensions are "
+                        "dynamic: one graph per grad mode, compiled in the first step (default: on with CUDA)")
     g.add_argument("--logprob-chunk-size", type=int, default=D.logprob_chunk_size,
                    help="tokens per LM-head chunk when computing log-probs (memory: ~2 x chunk x vocab x 2 bytes on CUDA); "
                         "0 = full logits, the naive way (to compare memory)")

@@ -112,13 +112,11 @@ def test_sequence_batch_layout_hand_made():
     assert sub.ids.tolist() == [[1, 2, 4, STOP]] and sub.C == 2 and sub.mask.tolist() == [[1, 1]]
     sub = batch.select([1])
     assert sub.ids.tolist() == [[3, 5, 6, 7]] and sub.score_index.tolist() == [[0, 1, 2]]
-    # padded to static shapes (a compiled policy): 3 rows, T a multiple of 3; the empty row has mask 0
-    sub = batch.select([1], n_rows=3, col_multiple=3)
-    assert sub.ids.tolist() == [[3, 5, 6, 7, 0, 0], [0] * 6, [0] * 6]
+    # padded with empty rows (a compiled policy's single row): mask 0, never more rows than asked for
+    sub = batch.select([1], n_rows=3)
+    assert sub.ids.tolist() == [[3, 5, 6, 7], [0] * 4, [0] * 4]
     assert sub.mask.tolist() == [[1, 1, 1], [0, 0, 0], [0, 0, 0]] and sub.prompt_lens == [1, 1, 1]
-    assert sub.score_index.tolist()[0] == [0, 1, 2]
-    with pytest.raises(ValueError, match="cannot pad 2 rows down to 1"):
-        batch.select([0, 1], n_rows=1)
+    assert sub.score_index.tolist()[0] == [0, 1, 2] and len(batch.select([0, 1], n_rows=1).prompt_lens) == 2
 
 
 def test_sequence_batch_scores_the_next_token():
@@ -595,22 +593,34 @@ def test_compiled_policy_trains_like_the_eager_one(tmp_path):
             _assert_gradients_close(got, want, rtol=1e-4)
 
 
-def test_a_compiled_policy_compiles_every_length_bucket_and_never_falls_back_silently(monkeypatch):
-    # A 2,048-token budget needs ~72 graphs of the one decoder-layer code object, past Dynamo's default limit
-    # of 8, after which it would run new shapes eager without a word. With 640 positions: 10 buckets x 2.
+def test_compiled_layers_serve_every_batch_shape_with_one_graph_per_grad_mode(monkeypatch):
+    # hidden_states marks the batch and length dimensions dynamic, so a run compiles its decoder layer once per
+    # grad mode whatever the micro-batch shapes; with static shapes it was a graph per length bucket, 8-12 s
+    # each on the H200. Past RECOMPILE_LIMIT graphs Dynamo raises instead of running eager without a word.
     import torch._dynamo
 
-    from minigrpo.rl.trainer import _allow_every_length_bucket
+    from minigrpo.rl.trainer import RECOMPILE_LIMIT, _fail_past_recompile_limit
 
     for name in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit"):
         monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))  # restored after
-    _allow_every_length_bucket(640)
+    _fail_past_recompile_limit()
     torch._dynamo.reset()
+    model = random_model(tiny_config(), seed=0)
+    for layer in model.model.layers:
+        layer.compile(backend="eager")
+    counters = torch._dynamo.utils.counters["stats"]
+    graphs = counters["unique_graphs"]
+    shapes = [(2, 5), (3, 9), (7, 4), (2, 17), (6, 6)]
+    with torch.no_grad():
+        for B, T in shapes:
+            model.hidden_states(torch.randint(0, 256, (B, T)))
+    assert counters["unique_graphs"] - graphs == 1
+    for B, T in shapes:  # with grad and activation checkpointing: one more graph
+        model.hidden_states(torch.randint(0, 256, (B, T)), checkpoint_layers=True).sum().backward()
+    assert counters["unique_graphs"] - graphs == 2
     layer = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for n in range(1, 21):  # 20 shapes: every one compiled
+    for n in range(1, RECOMPILE_LIMIT + 1):
         layer(torch.ones(n))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 20
-    with pytest.raises(Exception, match="recompile_limit"):  # the 21st is an error, not a quiet eager run
-        layer(torch.ones(21))
+    with pytest.raises(Exception, match="recompile_limit"):  # one graph too many is an error, not a quiet eager run
+        layer(torch.ones(RECOMPILE_LIMIT + 1))
     torch._dynamo.reset()

@@ -52,7 +52,7 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute layers in backward: far fewer activations, +1 forward
     weights: str = "fp32"             # fp32 master weights (+ bf16 autocast on CUDA), or bf16 (optim.py)
     compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference,
-                                      # with batches padded to static shapes (Trainer._select)
+                                      # batch and length dimensions dynamic: one graph per grad mode
 
     @property
     def rows_per_step(self) -> int:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|sizes|engmem|trl
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|sizes|engmem|trl|speed|speedbig
+# (and `revs`, run here before a device call, not there)
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
 set -u
@@ -113,6 +114,26 @@ case "${1:-}" in
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl
     mkdir -p /tmp/peers && cp .peers/trl_baseline.py /tmp/peers/ && ln -sfn "$(realpath "$DATA")" /tmp/data
     PYTHONPATH=/tmp/site CACHE=${CACHE:-static} STEPS=${STEPS:-6} python3 /tmp/peers/trl_baseline.py 2>&1 | tail -3 ;;
-  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|sizes|engmem|trl [args]"
+  revs)        # HERE, before the device call: code versions for speed / speedbig as plain trees in .rev/NAME
+               # (git-ignored; carry .rev): bash bench/h200.sh revs before=a37b3cb static=3ffd85e
+    for spec in "${@:2}"; do
+      rm -rf ".rev/${spec%%=*}" && mkdir -p ".rev/${spec%%=*}" && git archive "${spec#*=}" | tar -x -C ".rev/${spec%%=*}"
+    done ;;
+  speed)       # issue 20 (~7 min): 0.5B, 8 x 8 x 256, K = 2, beta 0.04, LEAN; one process and one cold compile cache
+               # per variant: before (.rev/before), levers 1-4 with static shapes and 32-row micro-batches
+               # (.rev/static), all levers with 16- and 32-row micro-batches; a profiled update of the last
+               # (bench/speed.py says what each column is). Carry .rev and .devdata.
+    rand 0.5b
+    python3 bench/speed.py --model-dir /tmp/rand05b --data "$DATA" --steps ${STEPS:-8} --profile after32 \
+      --variant before=.rev/before --variant static32=.rev/static:--micro-batch-size=32 \
+      --variant after16=. --variant after32=.:--micro-batch-size=32 "${@:2}" ;;
+  speedbig)    # the same at the 1.5B and 7B shapes (MODELS="15b 7b"; ~4 min each), before and after (32-row
+               # micro-batches); TRL: the trl part
+    for m in ${MODELS:-15b 7b}; do
+      rand ${m/5b/.5b}
+      OUT=$OUT/$m python3 bench/speed.py --model-dir /tmp/rand$m --data "$DATA" --steps ${STEPS:-5} \
+        --variant before=.rev/before --variant after32=.:--micro-batch-size=32 "${@:2}" | sed -n '/^summary/,$p'
+    done ;;
+  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|sizes|engmem|trl|speed|speedbig|revs [args]"
      exit 2 ;;
 esac

@@ -58,7 +58,7 @@ def test_every_term_by_hand():
     # + 2 layers x (32*64 + 64 qkv and biases, 32*32 o, 3*32*64 MLP, 2*32 norms = 9344) + 32 final norm = 26912.
     m = tiny_config(n_heads=4, n_kv_heads=2, head_dim=8, vocab=256, layers=2)
     assert parameter_count(m) == 26912
-    # fp32 weights on CUDA (bf16 autocast), compiled: T = 30 + 20 -> 64 columns; micro-batch 4, scoring 8 rows
+    # fp32 weights on CUDA (bf16 autocast), compiled: T = 30 + 20 = 50 columns; micro-batch 4, scoring 8 rows
     cfg = TrainConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=20, micro_batch_size=4,
                       score_batch_size=8, kl_beta=0.04, compile_policy=True, logprob_chunk_size=32)
     e = estimate(m, cfg, prompt_tokens=30, engine=EngineConfig(max_batch=16, max_seq_len=50))
@@ -70,9 +70,9 @@ def test_every_term_by_hand():
         "engine_workspace": 16 * 256 * (2 + 8) + 4 * 30 * (4 * 32 + 3 * 64) * 2}  # decode logits, a prefill
     # a layer keeps per token 2 x 4 x 32 (fp32 residuals) + 2 x (4 x 32 + 2 x 16 + 3 x 64) + 4 x 4 = 976 bytes
     assert e.update == {"gradients": 26912 * 4, "ddp_buckets": 0,
-                        "activations": 3 * 4 * 64 * 976,     # L + 1 layers x 4 rows x 64 columns
+                        "activations": 3 * 4 * 50 * 976,     # L + 1 layers x 4 rows x 50 columns
                         "lm_head": 32 * 256 * 8 + 4 * 20 * 32 * (2 + 4)}  # a 32-token chunk; 80 hidden states
-    assert e.scoring == 8 * 64 * (2 * 4 * 32 + 2 * (2 * 32 + 2 * 16 + 3 * 64)) + 32 * 256 * 8
+    assert e.scoring == 8 * 50 * (2 * 4 * 32 + 2 * (2 * 32 + 2 * 16 + 3 * 64)) + 32 * 256 * 8
     assert e.total == sum(e.resident.values()) + sum(e.update.values())
     # bf16 weights, checkpointing, 2 ranks: 8 rows each, so 2 micro-batches summed in fp32; DDP's buckets
     lean = replace(cfg, weights="bf16", activation_checkpointing=True)
@@ -81,7 +81,7 @@ def test_every_term_by_hand():
     assert e.resident["kv_pool"] == (1 + 8 * 4) * 2048
     # a layer: 2 x 2 x 32 + 2 x (4 x 32 + 2 x 16 + 3 x 64) + 16 = 848 bytes per token; inputs kept: 2 x 32
     assert e.update == {"gradients": 26912 * 4, "ddp_buckets": 26912 * 2,
-                        "activations": 2 * 4 * 64 * 2 * 32 + 2 * 4 * 64 * 848,
+                        "activations": 2 * 4 * 50 * 2 * 32 + 2 * 4 * 50 * 848,
                         "lm_head": 32 * 256 * 8 + 4 * 20 * 32 * (2 + 4)}
 
 
@@ -123,7 +123,7 @@ def test_resident_terms_are_what_a_training_step_holds(tmp_path, weights, one_th
         held["gradients"] = max(held["gradients"], grads + nbytes(trainer.policy._sums.values()))
 
     trainer.optimizer.step = lambda *a: (record(), step(*a))[1]
-    trainer.policy.accumulate = lambda last: (record(), enter(last))[1]
+    trainer.policy.accumulate = lambda first, last: (record(), enter(first, last))[1]
     trainer.step()
     e = estimate(model.config, cfg, prompt_tokens=8, engine=backend.cfg, cuda=False)
     state = [t for s in trainer.optimizer.state.values() for t in s.values() if t.dim()]  # not the step counts
@@ -131,7 +131,9 @@ def test_resident_terms_are_what_a_training_step_holds(tmp_path, weights, one_th
     assert nbytes(trainer.ref.parameters()) == e.resident["reference"]
     assert nbytes(state) == e.resident["optimizer"]
     assert held["gradients"] == e.update["gradients"]  # bf16: 8 rows in micro-batches of 3, summed in fp32
-    assert nbytes(backend.model.buffers()) == e.resident["engine_copy"]
+    policy = {p.untyped_storage().data_ptr() for p in model.parameters()}  # an engine sharing them holds no copy
+    assert nbytes(b for b in backend.model.buffers() if b.untyped_storage().data_ptr() not in policy) \
+        == e.resident["engine_copy"]
     assert nbytes(backend.kv.k + backend.kv.v) == e.resident["kv_pool"]
 
 

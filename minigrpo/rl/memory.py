@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING
 
 from minigrpo.model.config import ModelConfig
 from minigrpo.rl.config import TrainConfig
-from minigrpo.rl.trainer import SEQ_BUCKET
 
 if TYPE_CHECKING:  # not imported to run: the engine package loads the Triton kernels
     from minigrpo.engine.config import EngineConfig
@@ -100,10 +99,11 @@ def _per_parameter(P: int, cfg: TrainConfig, fp32_sums: bool) -> dict[str, int]:
 
 
 def _engine(m: ModelConfig, engine: EngineConfig, P: int, prompts: int, prompt_tokens: int, e: int,
-            free: int | None) -> dict:
-    """The rollout engine's terms, its dtype e bytes; free: what its KV pool may take a fraction of."""
+            free: int | None, shared: bool) -> dict:
+    """The rollout engine's terms, its dtype e bytes; free: what its KV pool may take a fraction of; shared:
+    the engine's weights are the policy's (same dtype: engine/decode.py)."""
     C, D = m.hidden_size, m.head_dim
-    copy = P * e + 2 * engine.max_seq_len * D * 4                                # + fp32 cos / sin tables
+    copy = P * e * (not shared) + 2 * engine.max_seq_len * D * 4  # shared: the policy's own weights; cos / sin
     page = 2 * m.num_hidden_layers * engine.page_size * m.num_key_value_heads * D * e  # K and V, all layers
     pages = engine.kv_pages or 1 + engine.max_batch * math.ceil(engine.max_seq_len / engine.page_size)
     if free is not None and engine.kv_pages is None:
@@ -131,11 +131,10 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
     amp = cuda and cfg.weights == "fp32"
     a, r = (2 if amp else w), w                      # matmul activations in bf16 under autocast; residual in w
     rows = cfg.rows_per_minibatch // world           # this rank's rows per optimizer step
-    compiled = cfg.compile_policy                    # compiled: batches padded to static shapes (trainer.py)
-    mb = cfg.micro_batch_size if compiled else min(cfg.micro_batch_size, rows)
-    ms = cfg.score_batch_size if compiled else min(cfg.score_batch_size, cfg.rows_per_step // world)
+    compiled = cfg.compile_policy                    # compiled: one row is padded to two (trainer.py)
+    mb = max(2 if compiled else 1, min(cfg.micro_batch_size, rows))
+    ms = max(2 if compiled else 1, min(cfg.score_batch_size, cfg.rows_per_step // world))
     T = prompt_tokens + cfg.max_new_tokens
-    T = -(-T // SEQ_BUCKET) * SEQ_BUCKET if compiled else T
 
     resident = _per_parameter(P, cfg, fp32_sums=w == 2 and rows > cfg.micro_batch_size)
     gradients = resident.pop("gradients")
@@ -143,8 +142,9 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
     resident["weight_casts"] = 2 * (P - L * 2 * C - C - (0 if m.tie_word_embeddings else V * C)) if amp else 0
     if engine is not None:
         free = None if capacity is None else capacity - resident["weights"]
-        resident.update(_engine(m, engine, P, max(1, cfg.prompts_per_step // world), prompt_tokens,
-                                2 if cuda else 4, free))
+        e = 2 if cuda else 4
+        resident.update(_engine(m, engine, P, max(1, cfg.prompts_per_step // world), prompt_tokens, e, free,
+                                shared=e == w))
 
     layer = _layer_bytes(m, a, r) * (1 if compiled else EAGER_FACTOR) * mb * T          # one layer's batch
     kept = L * mb * T * r * C + 2 * layer if cfg.activation_checkpointing else (L + 1) * layer

@@ -26,6 +26,7 @@ Results: $OUT/speed.json (every step of every variant) and $OUT/speed_NAME.log; 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -104,7 +105,9 @@ def worker(args) -> None:
              "-B", "8", "-G", "8", "--max-new-tokens", "256", "-K", "2", "--beta", "0.04", "--steps", str(args.steps),
              "--eval-every", "0", "--save-every", "0", "--sample-every", "0", "--out", str(out), *LEAN, *args.flags]
     cli = train_cli.parse_args(flags)
-    model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli)
+    from minigrpo.rl.distributed import Dist
+    later = "dist" in inspect.signature(train_cli.build_gsm8k).parameters  # code since the memory check
+    model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli, *((Dist(),) if later else ()))
     backend = train_cli.build_backend(cli, model, tokenizer, task, None)
     trainer = Trainer(cli.cfg, model, tokenizer, StandInReward(task), backend, out, tokenizer_dir=model_dir)
     lens, training_rows = {}, trainer._training_rows

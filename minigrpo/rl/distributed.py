@@ -130,17 +130,19 @@ class GradSync:
     """The policy's training forward, with gradient accumulation that all-reduces once per optimizer step.
 
     For each micro-batch, run `policy(batch)` and the backward of its loss (times `loss_scale`) inside
-    `policy.accumulate(last)`: only the last micro-batch's backward all-reduces (DDP's no_sync for the
-    others). Every rank must make one last=True backward per optimizer step, so a rank without rows of its
-    own in a minibatch backwards a stand-in row at zero weight (Trainer._update). With W = 1 this is the
+    `policy.accumulate(first, last)`: only the last micro-batch's backward all-reduces (DDP's no_sync for
+    the others). Every rank must make one last=True backward per optimizer step, so a rank without rows of
+    its own in a minibatch backwards a stand-in row at zero weight (Trainer._update). With W = 1 this is the
     plain forward and plain backward.
 
-    bf16 parameters (`--weights bf16`) sum their micro-batch gradients in fp32: summed in bf16, each
+    bf16 parameters (`--weights bf16`) sum three or more micro-batch gradients in fp32: summed in bf16, each
     addition would round to 8 significant bits of the running sum, and a micro-batch small against the
-    sum so far would be lost. As each gradient lands, a hook moves it into an fp32 sum (4 bytes per
-    parameter in place of the 2 of a bf16 gradient); the last micro-batch's backward adds to that sum
-    rounded to bf16, and DDP all-reduces the result. So the gradient is the exact sum up to two bf16
-    roundings, whatever the number of micro-batches.
+    sum so far would be lost. From the second micro-batch of three or more on, the gradients live in an fp32
+    sum (4 bytes per parameter in place of the 2 of a bf16 gradient): the first one's moves there, and a
+    hook moves each later one there as it lands. The last micro-batch's backward adds to that sum rounded
+    to bf16, and DDP all-reduces the result. So the gradient is the exact sum up to two bf16 roundings,
+    whatever the number of micro-batches. Two micro-batches need no fp32 sum: bf16 addition rounds the
+    exact sum of two bf16 numbers once, so the second backward simply adds to the first's gradient.
     """
 
     def __init__(self, model: torch.nn.Module, fn, dist: Dist):
@@ -150,9 +152,9 @@ class GradSync:
         self.module = DistributedDataParallel(module) if dist.world > 1 else module
         self._sums: dict[torch.nn.Parameter, torch.Tensor] = {}  # fp32 sums of this step's earlier micro-batches
         self._summing = False
-        for p in model.parameters():
-            if p.requires_grad and p.dtype == torch.bfloat16:
-                p.register_post_accumulate_grad_hook(self._add_to_fp32_sum)
+        self._bf16 = [p for p in model.parameters() if p.requires_grad and p.dtype == torch.bfloat16]
+        for p in self._bf16:
+            p.register_post_accumulate_grad_hook(self._add_to_fp32_sum)
 
     def _add_to_fp32_sum(self, p: torch.nn.Parameter) -> None:
         if self._summing:
@@ -161,12 +163,15 @@ class GradSync:
             p.grad = None  # the next micro-batch's gradient lands alone, unrounded
 
     @contextlib.contextmanager
-    def accumulate(self, last: bool):
-        if last:  # the last backward adds to the sum so far, then all-reduces
-            for p, total in self._sums.items():
-                p.grad = total.to(p.dtype)
-            self._sums.clear()
-        self._summing = not last
+    def accumulate(self, first: bool, last: bool):
+        self._summing = not first and not last
+        if self._summing:  # a middle micro-batch: the first one's gradient moves into the fp32 sum
+            for p in self._bf16:
+                if p.grad is not None and p not in self._sums:
+                    self._sums[p], p.grad = p.grad.float(), None
+        while last and self._sums:  # the last backward adds to the sum so far, then all-reduces; each fp32
+            p, total = self._sums.popitem()  # sum is freed as its bf16 gradient is made (peak 4, not 6 B/param)
+            p.grad = total.to(p.dtype)
         try:
             with self.module.no_sync() if self.dist.world > 1 and not last else contextlib.nullcontext():
                 yield

@@ -16,7 +16,7 @@ from minigrpo.rl.data import EpochSampler
 from minigrpo.rl.evaluate import evaluate
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.rl.trainer import Trainer
-from minigrpo.run.metrics import MetricsLogger, PhaseTimer
+from minigrpo.run.metrics import MetricsLogger, PhaseTimer, compile_seconds
 from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
 
 STOP, PAD = 31, 0
@@ -492,7 +492,10 @@ def test_metrics_log_and_resume_truncation(tmp_path):
 
 
 def test_phase_timer_counts_the_seconds_spent_compiling():
-    # A compile is counted once, with the backward graph compiled at its first use; a cached call costs nothing.
+    # A compile is counted once, with the backward graph compiled at its first use; a cached call costs nothing;
+    # torch._dynamo.reset() (which drops Dynamo's callbacks) does not stop the count.
+    compile_seconds()
+    torch._dynamo.reset()
     timer = PhaseTimer(torch.device("cpu"), ("a",))
     f = torch.compile(lambda x: (x * 2).sin().sum(), backend="aot_eager", dynamic=False)
     x = torch.randn(3, requires_grad=True)

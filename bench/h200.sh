@@ -99,8 +99,8 @@ case "${1:-}" in
     done ;;
   engmem)      # issue 17.2: the engine on the bf16 policy's own memory against its private copy (--engine-copy,
                # the behaviour before), LEAN, 8 x 8 x 256, K = 2, beta 0.04, 3 steps, at 0.5B and 7B; per run
-               # the per-step peak GB and seconds (step 1 compiles, step 3 meets a new length bucket), the KV
-               # pool's GB and the sync's seconds (~6 min: 7B weights ~0.5, 0.5B runs ~1 each, 7B runs ~1.5 each)
+               # the per-step peak GB and seconds (step 1 compiles), the KV pool's GB and the sync's seconds
+               # (~6 min: 7B weights ~0.5, 0.5B runs ~1 each, 7B runs ~1.5 each)
     rand 0.5b; rand 7b
     for m in 05b 7b; do
       for mode in copy share; do

@@ -115,7 +115,8 @@ case "${1:-}" in
     mkdir -p /tmp/peers && cp .peers/trl_baseline.py /tmp/peers/ && ln -sfn "$(realpath "$DATA")" /tmp/data
     PYTHONPATH=/tmp/site CACHE=${CACHE:-static} STEPS=${STEPS:-6} python3 /tmp/peers/trl_baseline.py 2>&1 | tail -3 ;;
   revs)        # HERE, before the device call: code versions for speed / speedbig as plain trees in .rev/NAME
-               # (git-ignored; carry .rev): bash bench/h200.sh revs before=a37b3cb static=3ffd85e
+               # (git-ignored; carry .rev): bash bench/h200.sh revs before=d4a5416 static=55e39d6 (main just
+               # before issue 20's levers; levers 1-4 with static shapes)
     for spec in "${@:2}"; do
       rm -rf ".rev/${spec%%=*}" && mkdir -p ".rev/${spec%%=*}" && git archive "${spec#*=}" | tar -x -C ".rev/${spec%%=*}"
     done ;;

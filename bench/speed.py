@@ -72,7 +72,8 @@ def model_flops(model, prompt_lens, completion_lens, epochs: int) -> float:
 def gpu_busy(trace_path: str) -> dict:
     """From a chrome trace: the 'update' range's wall seconds, the seconds some kernel ran inside it (union of
     kernel intervals), the kernel count, and the kernels taking the most time."""
-    events = json.load(open(trace_path))["traceEvents"]
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
     window = next(e for e in events if e.get("name") == "update" and e.get("cat") == "user_annotation")
     t0, t1 = window["ts"], window["ts"] + window["dur"]
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
@@ -90,7 +91,6 @@ def gpu_busy(trace_path: str) -> dict:
 def worker(args) -> None:
     """One variant, in this process: build the trainer from args.code, run the steps, write one JSON line each."""
     sys.path.insert(0, str(Path(args.code).resolve()))
-    import torch
     from torch._dynamo.callback import callback_handler
 
     import train as train_cli
@@ -123,9 +123,8 @@ def worker(args) -> None:
         compiling = clock["total"]
         if step > args.steps:  # the profiled extra step
             from torch.profiler import ProfilerActivity, profile, record_function
-            update = trainer._update
 
-            def annotated(*a, **k):
+            def annotated(*a, update=trainer._update, **k):
                 with record_function("update"):
                     return update(*a, **k)
             trainer._update = annotated
@@ -191,7 +190,7 @@ def main():
                "--steps", str(args.steps), *(["--profile", name] if name in args.profile else []),
                "--flags", json.dumps(flags)]
         t0 = time.time()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         (out / f"speed_{name}.log").write_text(proc.stdout + proc.stderr)
         rows = [json.loads(ln[6:]) for ln in proc.stdout.splitlines() if ln.startswith("SPEED ")]
         results[name] = {"code": code, "flags": flags, "steps": rows, "wall_s": round(time.time() - t0, 1)}

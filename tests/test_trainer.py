@@ -16,7 +16,7 @@ from minigrpo.rl.data import EpochSampler
 from minigrpo.rl.evaluate import evaluate
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.rl.trainer import Trainer
-from minigrpo.run.metrics import MetricsLogger, PhaseTimer
+from minigrpo.run.metrics import MetricsLogger, PhaseTimer, compile_seconds
 from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
 from minigrpo.tasks.templates import Stops
 
@@ -106,30 +106,32 @@ def test_sequence_batch_layout_hand_made():
     # rows start at column 0, padding only at the end; T = max(prompt + completion) = 4, C = 3
     assert batch.ids.tolist() == [[1, 2, 4, STOP], [3, 5, 6, 7]]
     assert batch.mask.tolist() == [[1, 1, 0], [1, 1, 1]]  # stop kept, padding dropped; no stop: all ones
-    # completion token j of row i is scored at column prompt_len - 1 + j (clamped into range past its end)
-    assert batch.score_index.tolist() == [[1, 2, 2], [0, 1, 2]]
-    targets = batch.ids.gather(1, batch.score_index + 1)
-    assert (targets * batch.mask.long()).tolist() == [[4, STOP, 0], [5, 6, 7]]
+    # completion token j of row i is scored at column prompt_len - 1 + j; only real completion tokens are listed
+    assert batch.scored.tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 1, 2], [1, 2, 0, 1, 2]]
+    assert batch.ids[batch.scored[0], batch.scored[2] + 1].tolist() == [4, STOP, 5, 6, 7]
     sub = batch.select([0])  # row 0 alone: C = 2, T = 4
     assert sub.ids.tolist() == [[1, 2, 4, STOP]] and sub.C == 2 and sub.mask.tolist() == [[1, 1]]
     sub = batch.select([1])
-    assert sub.ids.tolist() == [[3, 5, 6, 7]] and sub.score_index.tolist() == [[0, 1, 2]]
+    assert sub.ids.tolist() == [[3, 5, 6, 7]] and sub.scored[2].tolist() == [0, 1, 2]
     # padded with empty rows (a compiled policy's single row): mask 0, never more rows than asked for
     sub = batch.select([1], n_rows=3)
     assert sub.ids.tolist() == [[3, 5, 6, 7], [0] * 4, [0] * 4]
     assert sub.mask.tolist() == [[1, 1, 1], [0, 0, 0], [0, 0, 0]] and sub.prompt_lens == [1, 1, 1]
-    assert sub.score_index.tolist()[0] == [0, 1, 2] and len(batch.select([0, 1], n_rows=1).prompt_lens) == 2
+    assert sub.scored.tolist() == [[0, 0, 0], [0, 1, 2], [0, 1, 2]]  # the empty rows hold nothing to score
+    assert len(batch.select([0, 1], n_rows=1).prompt_lens) == 2
 
 
 def test_sequence_batch_scores_the_next_token():
     # A "model" whose hidden state at column t is one-hot of the token at t+1 puts almost all its mass on the
-    # right next token iff the offsets are right, in every row, whatever its prompt length.
+    # right next token iff the offsets are right, in every row, whatever its prompt length. Past a row's
+    # completion nothing is scored: exactly 0 there.
     batch = SequenceBatch.build([[3, 1, 4], [1], [5, 9]], [[1, 5], [2, 6, 5], [3]], pad_id=0, stop_ids=(63,),
                                 device="cpu")
     nxt = torch.nn.functional.one_hot(torch.roll(batch.ids, -1, dims=1), 10).float()  # (n, T, 10)
     model = SimpleNamespace(hidden_states=lambda ids, **kw: nxt, lm_head=SimpleNamespace(weight=10 * torch.eye(10)))
     logp = completion_logprobs(model, batch, temperature=1.0)
     assert ((logp > -1e-3) | (batch.mask == 0)).all() and batch.mask.sum().item() == 6
+    assert (logp[batch.mask == 0] == 0).all()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -494,7 +496,10 @@ def test_metrics_log_and_resume_truncation(tmp_path):
 
 
 def test_phase_timer_counts_the_seconds_spent_compiling():
-    # A compile is counted once, with the backward graph compiled at its first use; a cached call costs nothing.
+    # A compile is counted once, with the backward graph compiled at its first use; a cached call costs nothing;
+    # torch._dynamo.reset() (which drops Dynamo's callbacks) does not stop the count.
+    compile_seconds()
+    torch._dynamo.reset()
     timer = PhaseTimer(torch.device("cpu"), ("a",))
     f = torch.compile(lambda x: (x * 2).sin().sum(), backend="aot_eager", dynamic=False)
     x = torch.randn(3, requires_grad=True)

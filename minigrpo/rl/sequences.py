@@ -10,9 +10,11 @@ positions are 0..T-1 in every row, exactly what the row computes alone, and SDPA
 path. (On the H200 this measured the same step time and memory as the earlier left-padded layout with an
 explicit mask; it stays because it is the simpler one.)
 The causal LM's output at t predicts token t+1, so completion token j of row i (column P_i + j) is scored
-by hidden[i, P_i - 1 + j]: one gather per row (`score_index`).
+by hidden[i, P_i - 1 + j] (`scored`). Only real completion tokens go through the LM head: a row shorter than
+the longest completion costs no LM-head work for the difference.
 
-Shape legend: n rows, T columns, C completion length (padded, max over rows), D hidden size.
+Shape legend: n rows, T columns, C completion length (padded, max over rows), D hidden size, M completion
+tokens (all rows).
 """
 
 from __future__ import annotations
@@ -39,14 +41,13 @@ class SequenceBatch:
         return self.mask.shape[1]
 
     @property
-    def score_index(self) -> torch.Tensor:
-        """(n, C) long: the column whose output scores completion token j; token j sits at that column + 1.
-
-        Padding slots (j >= completion_len) are clamped into range; the loss mask zeroes them."""
-        T = self.ids.shape[1]
-        P = torch.tensor(self.prompt_lens, device=self.ids.device)                       # (n,)
-        j = torch.arange(self.C, device=self.ids.device)                                 # (C,)
-        return (P[:, None] - 1 + j).clamp(max=T - 2)                                     # (n, C)
+    def scored(self) -> torch.Tensor:
+        """(3, M) long: for every completion token, row-major, its row i, its index j in the completion, and the
+        column whose output scores it (P_i - 1 + j; the token sits one column later). Built on the host, one copy."""
+        lens = torch.tensor(self.completion_lens)                                        # (n,)
+        rows = torch.repeat_interleave(torch.arange(len(lens)), lens)                    # (M,)
+        j = torch.arange(len(rows)) - (lens.cumsum(0) - lens)[rows]                      # (M,)
+        return torch.stack([rows, j, torch.tensor(self.prompt_lens)[rows] - 1 + j]).to(self.ids.device)
 
     @classmethod
     def build(cls, prompts: list[list[int]], completions: list[list[int]], *, pad_id: int,
@@ -96,7 +97,8 @@ def pad_rows(rows: list[list[float]], width: int, device) -> torch.Tensor:
 def completion_logprobs(model: Qwen2ForCausalLM, batch: SequenceBatch, *, temperature: float,
                         chunk_size: int = 1024, amp_dtype: torch.dtype | None = None,
                         return_entropy: bool = False, checkpoint_layers: bool = False):
-    """log p(completion token | prefix) under softmax(logits / temperature): (n, C) fp32 [, entropy (n, C)].
+    """log p(completion token | prefix) under softmax(logits / temperature): (n, C) fp32 [, entropy (n, C)],
+    0 past each row's completion.
 
     With amp_dtype (bf16 on CUDA) the decoder runs under autocast and the LM head in amp_dtype, cast
     explicitly outside autocast: autocast would cover only the hand-written forward of token_logprobs and
@@ -107,13 +109,16 @@ def completion_logprobs(model: Qwen2ForCausalLM, batch: SequenceBatch, *, temper
            else contextlib.nullcontext())
     with amp:
         hidden = model.hidden_states(batch.ids, checkpoint_layers=checkpoint_layers)    # (n, T, D), no mask
-    idx = batch.score_index                                                                # (n, C)
-    h = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))                  # (n, C, D)
-    targets = batch.ids.gather(1, idx + 1)                                                 # (n, C)
+    rows, j, col = batch.scored                                                            # (M,) each
+    h, targets = hidden[rows, col], batch.ids[rows, col + 1]                               # (M, D), (M,)
     weight = model.lm_head.weight                                                          # (V, D)
     if amp_dtype is not None:
         h, weight = h.to(amp_dtype), weight.to(amp_dtype)
     else:
         h = h.to(weight.dtype)
-    return token_logprobs(h, weight, targets, temperature=temperature, chunk_size=chunk_size,
-                          return_entropy=return_entropy)
+    out = token_logprobs(h[None], weight, targets[None], temperature=temperature, chunk_size=chunk_size,
+                         return_entropy=return_entropy)
+    zeros = hidden.new_zeros((len(batch.prompt_lens), batch.C), dtype=torch.float32)       # (n, C): 0 off the tokens
+    if return_entropy:
+        return zeros.index_put((rows, j), out[0][0]), zeros.index_put((rows, j), out[1][0])
+    return zeros.index_put((rows, j), out[0])

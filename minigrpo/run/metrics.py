@@ -144,14 +144,13 @@ class _CompileClock:
     the start and end of each outermost compile (nested ones are not counted twice). Counts from the first read."""
 
     def __init__(self):
-        self.total, self.since, self.hooked = 0.0, None, False
+        self.total, self.since = 0.0, None
 
     def read(self) -> float:
-        if not self.hooked:
-            from torch._dynamo.callback import callback_handler
+        from torch._dynamo.callback import callback_handler
+        if self._start not in callback_handler.start_callbacks:  # the first read, or torch._dynamo.reset() since
             callback_handler.register_start_callback(self._start)
             callback_handler.register_end_callback(self._end)
-            self.hooked = True
         return self.total + (time.perf_counter() - self.since if self.since is not None else 0.0)
 
     def _start(self, *_):

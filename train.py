@@ -36,7 +36,7 @@ import torch
 
 from minigrpo.engine.rollout import ATTN_BACKENDS, make_backend
 from minigrpo.rl import distributed
-from minigrpo.rl.config import WEIGHT_DTYPES, TrainConfig
+from minigrpo.rl.config import PARALLEL, WEIGHT_DTYPES, TrainConfig
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import latest_name, remove_stale_temps
 from minigrpo.run.run_dir import check_out, move_aside
@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device")
     g.add_argument("--seed", type=int, default=D.seed, help="seeds data order, rollout sampling, shuffling")
+    g.add_argument("--parallel", choices=PARALLEL, default=D.parallel,
+                   help="under torchrun, the update: ddp replicates the weights, gradients and AdamW state on "
+                        "every rank; fsdp shards them (FSDP2), for models whose state does not fit one GPU")
     g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard (needs tensorboard)")
     g = p.add_argument_group("rollout engine")
     g.add_argument("--attn", choices=ATTN_BACKENDS, default=None,
@@ -209,12 +212,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             eval_max_new_tokens=args.eval_max_new_tokens, save_every=args.save_every,
             keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,
             seed=args.seed, logprob_chunk_size=args.logprob_chunk_size,
-            activation_checkpointing=args.activation_checkpointing, weights=args.weights,
+            activation_checkpointing=args.activation_checkpointing, weights=args.weights, parallel=args.parallel,
             # the reference generator runs the policy itself at every length: compiled, a recompile per token
             compile_policy=(args.compile_policy if args.compile_policy is not None
                             else device.type == "cuda" and args.attn != "reference"))
     except ValueError as e:
         parser.error(flag_names(str(e), parser))
+    if args.parallel == "fsdp" and args.attn == "reference":
+        parser.error("--parallel fsdp shards the policy, which --attn reference generates with; use the engine "
+                     "(--attn sdpa on the CPU, triton on CUDA)")
     if args.compile_policy and args.attn == "reference":
         parser.error("--compile-policy with --attn reference would recompile the policy for every generated token; "
                      "drop --compile-policy, or use the engine (--attn sdpa|triton)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import kernels  # noqa: F401  (registers torch.ops.minigrpo.*)
 from minigrpo.engine.attention import decode_attention, rope_store
@@ -58,22 +59,23 @@ class DecodeModel(nn.Module):
 
     @torch.no_grad()
     def load_from(self, model: Qwen2ForCausalLM) -> None:
-        """Copy (and cast) the policy's weights into these buffers, in place."""
+        """Copy (and cast) the policy's weights into these buffers, in place, one tensor at a time. A weight
+        sharded over ranks (FSDP: a DTensor) is first gathered, by every rank at once, and its full copy freed
+        before the next: the policy never exists at full size beside these buffers."""
         assert model.config == self.cfg, "policy and engine were built for different configs"
         m = model.model
-        self.embed.copy_(m.embed_tokens.weight)
+        pairs = [(self.embed, m.embed_tokens.weight), (self.norm, m.norm.weight)]
+        if not self.cfg.tie_word_embeddings:
+            pairs.append((self.lm_head, model.lm_head.weight))
         for i, layer in enumerate(m.layers):
             a, mlp = layer.self_attn, layer.mlp
-            self.ln1[i].copy_(layer.input_layernorm.weight)
-            self.w_qkv[i].copy_(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-            self.b_qkv[i].copy_(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
-            self.w_o[i].copy_(a.o_proj.weight)
-            self.ln2[i].copy_(layer.post_attention_layernorm.weight)
-            self.w_gate_up[i].copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-            self.w_down[i].copy_(mlp.down_proj.weight)
-        self.norm.copy_(m.norm.weight)
-        if not self.cfg.tie_word_embeddings:
-            self.lm_head.copy_(model.lm_head.weight)
+            pairs += zip(self.w_qkv[i].split(self.qkv_sizes), (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
+            pairs += zip(self.b_qkv[i].split(self.qkv_sizes), (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias))
+            pairs += zip(self.w_gate_up[i].chunk(2), (mlp.gate_proj.weight, mlp.up_proj.weight))
+            pairs += [(self.ln1[i], layer.input_layernorm.weight), (self.w_o[i], a.o_proj.weight),
+                      (self.ln2[i], layer.post_attention_layernorm.weight), (self.w_down[i], mlp.down_proj.weight)]
+        for buffer, weight in pairs:
+            buffer.copy_(weight.full_tensor() if isinstance(weight, DTensor) else weight)
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, self.ln2[i], self.cfg.rms_norm_eps)

@@ -19,12 +19,18 @@ into one fused kernel (`compile=True`, on CUDA by default), instead of ~40 eager
 The fp32 arithmetic runs over chunks of at most `chunk` elements, which keeps its temporaries small next
 to the model (the embedding alone is 136M elements).
 
+Sharded parameters (FSDP: DTensors, each rank holding a block of rows) are updated shard by shard, each
+element with the noise of its index in the whole model, so a sharded step equals the unsharded one. The
+state is created with the optimizer, not at the first step: torch.distributed.checkpoint's state-dict
+helpers would otherwise create it with a zero-learning-rate `step()`, which takes no seed here.
+
 Shape legend: n elements of one chunk.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from minigrpo.model.sampling import M31, mix31
 
@@ -58,6 +64,17 @@ def _adamw_chunk(w, g, m, v, hyper, seeds, offset: int) -> None:
     v.copy_(round_stochastic(v32, seeds[2], offset))
 
 
+def _shard(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The elements of x this process updates, flat, and the index in x of the first: all of a plain tensor,
+    or this rank's block of rows of a DTensor that FSDP shards (dim 0, split as torch.chunk splits)."""
+    if not isinstance(x, DTensor):
+        return x.view(-1), 0
+    assert x.placements == (Shard(0),), f"expected FSDP's dim-0 sharding, got {x.placements}"
+    rows = -(-x.shape[0] // x.device_mesh.size())                                # rows per rank
+    first_row = min(x.device_mesh.get_local_rank() * rows, x.shape[0])
+    return x.to_local().view(-1), first_row * (x.numel() // max(1, x.shape[0]))
+
+
 class StochasticAdamW(torch.optim.Optimizer):
     """Decoupled-weight-decay Adam (torch.optim.AdamW's math) for bf16 parameters, rounding stochastically.
 
@@ -75,6 +92,8 @@ class StochasticAdamW(torch.optim.Optimizer):
                     raise ValueError(f"StochasticAdamW is for bf16 parameters, got {p.dtype} "
                                      f"(use torch.optim.AdamW for fp32 master weights)")
                 devices.add(p.device.type)
+                self.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}  # bf16, like p
         if compile is None:
             compile = devices == {"cuda"}
         self._update = torch.compile(_adamw_chunk, dynamic=True) if compile else _adamw_chunk
@@ -83,25 +102,23 @@ class StochasticAdamW(torch.optim.Optimizer):
     def step(self, seed: int) -> None:
         """One step; seed (any int) picks the rounding noise (module doc)."""
         streams = mix31(torch.tensor([seed & M31]) + torch.arange(3)) & M31              # (3,) w, m, v
-        offset = 0  # element index across all parameters: every element gets its own noise
+        start = 0  # element index across all parameters: every element gets its own noise
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             consts = {}  # (device, t) -> (hyper, seeds) on that device: one small copy, not one per tensor
             for p in group["params"]:
+                start, offset = start + p.numel(), start  # p.numel(): of the whole parameter, when sharded
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p)     # bf16, like p
-                    state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
                 t = state["step"].item()  # a CPU tensor, as torch's AdamW keeps it: no device sync
                 if (p.device, t) not in consts:
                     hyper = torch.tensor([lr / (1 - b1 ** t), b1, b2, eps, 1 - lr * wd, 1 - b2 ** t])
                     consts[p.device, t] = (hyper.to(p.device), streams.to(p.device))
                 hyper, seeds = consts[p.device, t]
-                flat = (p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1))
-                for w, g, m, v in zip(*(x.split(self.chunk) for x in flat)):  # (n,) views into p, grad, m, v
+                (w, first), (g, _), (m, _), (v, _) = map(_shard, (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+                offset += first
+                for w, g, m, v in zip(*(x.split(self.chunk) for x in (w, g, m, v))):  # (n,) views into p, grad, m, v
                     self._update(w, g, m, v, hyper, seeds, offset)
                     offset += w.numel()

@@ -13,8 +13,10 @@ a group score 1, so every group trains. Timing does not depend on what the rewar
 Settings: 8 prompts x 8 samples x 256 new tokens, K=2, beta=0.04 (as train.py flags). JSON to $OUT.
 
 Data parallel (issue 6's scaling table): under `torchrun --nproc-per-node N` each rank rolls out
---prompts prompts, so the per-GPU batch stays fixed and B = N x --prompts. Rank 0 reports; step times and
-tokens/s are over all ranks.
+--prompts prompts, so the per-GPU batch stays fixed and B = N x --prompts (`-- --parallel fsdp` for FSDP2).
+Rank 0 reports; step times, samples/s and tokens/s are over all ranks, `peak_mem_gb_per_rank` lists each
+rank's. --profile profiles one more step on every rank: the top kernels, the time in NCCL kernels and the
+time the GPU has no compute kernel running, to profile.txt (rank 0) and a Chrome trace per rank.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
-from minigrpo import distributed  # noqa: E402
+from minigrpo.rl import distributed  # noqa: E402
 from minigrpo.rl.trainer import Trainer  # noqa: E402
 
 
@@ -72,18 +74,38 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
             prof_row = trainer.step()
         events = prof.key_averages()
         gpu_us = sum(e.self_device_time_total for e in events)
+        nccl_us = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
         phases = ", ".join(f"{k[5:]} {v:.3f}" for k, v in prof_row.items() if k.startswith("time_") and k != "time_step")
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
-        summary = (f"profiled step: {prof_row['time_step']:.3f} s wall ({phases}); "
-                   f"GPU kernels busy {gpu_us / 1e6:.3f} s; {launches} kernel launches\n")
+        summary = (f"rank {dist.rank} profiled step: {prof_row['time_step']:.3f} s wall ({phases}); GPU kernels busy "
+                   f"{gpu_us / 1e6:.3f} s, of which NCCL {nccl_us / 1e6:.3f} s; no compute kernel running "
+                   f"{compute_idle_s(prof):.3f} s; {launches} kernel launches\n")
+        out.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(out / f"trace_rank{dist.rank}.json.gz"))
         if dist.is_main:
-            out.mkdir(parents=True, exist_ok=True)
             (out / "profile.txt").write_text(summary + events.table(sort_by="self_cuda_time_total", row_limit=30))
-            print(summary, flush=True)
+        print(summary, flush=True)
     del trainer, backend, model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows
+
+
+def compute_idle_s(prof) -> float:
+    """Seconds of the profiled window in which no non-NCCL GPU kernel runs: the union of the compute kernels'
+    intervals, subtracted from the window from the first kernel's start to the last one's end."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" not in e.name.lower())
+    if not spans:
+        return 0.0
+    busy, (lo, hi) = 0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo, hi = busy + hi - lo, a, b
+        else:
+            hi = max(hi, b)
+    busy += hi - lo
+    return (max(b for _, b in spans) - spans[0][0] - busy) / 1e6
 
 
 def main():
@@ -118,6 +140,11 @@ def main():
         row = {k: last[k] for k in keys if k in last}
         row["rollout_share"] = last["time_rollout"] / last["time_step"]
         row["world"] = dist.world
+        warm = sorted(r["time_step"] for r in rows[2:]) or [last["time_step"]]  # steps 1-2 compile
+        row["median_warm_step_s"] = warm[len(warm) // 2]
+        row["samples_per_s"] = 8 * args.prompts * dist.world / row["median_warm_step_s"]
+        row["peak_mem_gb_per_rank"] = [round(x, 2) for x in
+                                       dist.gather(torch.tensor([last["peak_mem_gb"]], device=args.device)).tolist()]
         row["every_step"] = [{k: round(r[k], 3) for k in keys if k in r and (k.startswith("time") or k == "compiled_graphs")}
                             for r in rows]
         result[name] = row

@@ -5,7 +5,8 @@ Run A is train.py under torchrun (the smoke task, fp32, the engine on the CPU: i
 shards after every update). Seed 6, B=4, G=8: step 1 trains groups on both ranks, step 2 on rank 0 only, step 3
 on rank 1 only. FSDP gathers each layer's weights in every forward, so a rank without rows must run as many
 forwards and backwards as the other, on zero-weight stand-ins. Minibatches of 8 rows (four per epoch, so the
-old log-probs come from a separate scoring pass), micro-batches of 3: the ranks' own counts differ.
+old log-probs come from a separate scoring pass), micro-batches of 3: the ranks' own counts differ. Each
+rank evaluates every other one of 37 examples, before step 1 and after step 3.
 Run B (tests/fsdp_worker.py) covers what the smoke model does not: a tied embedding and LM head, bf16 weights
 (StochasticAdamW on the shards), a sharded KL reference, activation checkpointing.
 """
@@ -23,7 +24,7 @@ from minigrpo.rl.trainer import Trainer
 
 ARGS = ["--preset", "smoke", "--attn", "sdpa", "--parallel", "fsdp", "-B", "4", "-G", "8", "--minibatch-size", "8",
         "--micro-batch-size", "3", "-K", "2", "--steps", "3", "--save-every", "1", "--keep-checkpoints", "0",
-        "--eval-every", "0", "--sample-every", "0", "--seed", "6"]
+        "--eval-every", "3", "--eval-limit", "37", "--sample-every", "0", "--seed", "6"]
 
 
 @pytest.fixture(autouse=True)
@@ -36,36 +37,41 @@ def one_thread():
 
 def single_process_trainer(out) -> Trainer:
     args = train.parse_args([*ARGS, "--out", str(out)])
-    model, tokenizer, task, _, _ = train.build_smoke(args)
-    backend = train.build_backend(args, model, tokenizer, task, None)
-    return Trainer(args.cfg, model, tokenizer, task, backend, out, echo=False)
+    model, tokenizer, task, test, _ = train.build_smoke(args)
+    backend = train.build_backend(args, model, tokenizer, task, test)
+    return Trainer(args.cfg, model, tokenizer, task, backend, out, eval_task=test, echo=False)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Run A on 2 ranks, and the single-process reference's metrics and parameters after each step."""
+    """Run A on 2 ranks, and the single-process reference's metrics and parameters after each step, and its
+    evaluations before step 1 and after step 3."""
     tmp = tmp_path_factory.mktemp("fsdp")
     torchrun(tmp / "fsdp", args=ARGS)
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         reference, ref, rewards = single_process_trainer(tmp / "single"), [], []
+        evals = [reference.evaluate()]
         for _ in range(3):
             ref.append(reference.step())
             rewards.append(torch.tensor(reference.last_rollout["rewards"]).view(2, -1, 8))  # (rank, group, G)
             ref[-1]["params"] = {k: v.clone() for k, v in reference.model.state_dict().items()}
+        ref[-1].update(reference.evaluate())
     finally:
         torch.set_num_threads(n)
-    return tmp, ref, rewards
+    return tmp, ref, rewards, evals[0]
 
 
 def test_two_ranks_equal_one_process(runs):
-    tmp, ref, rewards = runs
+    tmp, ref, rewards, eval0 = runs
     spread = [(r.amax(-1) > r.amin(-1)).any(-1).tolist() for r in rewards]  # (step) -> [rank has a group to train]
     assert spread == [[True, True], [True, False], [False, True]], "the scenario no longer has a rank without rows"
     records = [json.loads(ln) for ln in (tmp / "fsdp" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    for step, (rec, want) in enumerate(zip(records, ref), start=1):
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for key in ("eval_n", "eval_reward_mean", "eval_completion_len_mean", "eval_truncated_frac"):
+        assert records[0][key] == pytest.approx(eval0[key]) and records[3][key] == pytest.approx(ref[2][key]), key
+    for step, (rec, want) in enumerate(zip(records[1:], ref), start=1):
         assert_close(checkpoint_params(tmp / "fsdp", step), want["params"])  # the same HF names, gathered
         for key in ("reward_mean", "accuracy", "trained_rows", "completion_len_mean", "optimizer_steps"):
             assert rec[key] == want[key], key
@@ -74,7 +80,7 @@ def test_two_ranks_equal_one_process(runs):
 
 
 def test_resume_is_exact_and_a_checkpoint_resumes_in_one_process(runs):
-    tmp, ref, _ = runs
+    tmp, ref, _, _ = runs
     resumed = tmp / "resumed"  # interrupted after step 2
     shutil.copytree(tmp / "fsdp", resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000003")
@@ -82,6 +88,7 @@ def test_resume_is_exact_and_a_checkpoint_resumes_in_one_process(runs):
     assert "resumed from step 2" in torchrun(resumed, "--resume", args=ARGS)
     want, got = checkpoint_params(tmp / "fsdp", 3), checkpoint_params(resumed, 3)
     assert all(torch.equal(got[k], want[k]) for k in want), "the resumed run left the uninterrupted one"
+    assert [json.loads(ln)["step"] for ln in (resumed / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
 
     one = single_process_trainer(tmp / "single_resumed")  # the checkpoint holds the full state, not shards
     one.resume(tmp / "fsdp" / "checkpoints" / "step_000002")

@@ -96,7 +96,8 @@ def init_from_env(device: str) -> tuple[Dist, str]:
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     tdist.init_process_group("nccl" if on_cuda else "gloo", rank=rank, world_size=world,
-                             timeout=timedelta(minutes=30))  # rank 0 evaluates alone: others wait for it
+                             device_id=torch.device(device) if on_cuda else None,
+                             timeout=timedelta(minutes=30))  # rank 0 writes checkpoints alone: others wait
     return Dist(rank, world, local_rank, device if on_cuda else "cpu"), device
 
 

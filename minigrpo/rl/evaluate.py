@@ -20,15 +20,17 @@ import torch
 from tqdm import tqdm
 
 from minigrpo.model.sampling import GREEDY
+from minigrpo.rl.distributed import Dist
 
 
 @torch.no_grad()
 def evaluate(backend, task, *, stop_ids, max_new_tokens: int, batch_size: int = 128, limit: int | None = None,
-             progress: bool = True) -> dict:
+             progress: bool = True, dist: Dist = Dist()) -> dict:
     """Greedy accuracy over the first `limit` examples of `task` (all when None).
 
     Returns accuracy, reward_mean, completion_len_mean, truncated_frac, n, seconds, and `records`
-    (one dict per example with the decoded completion) for inspection.
+    (one dict per example with the decoded completion) for inspection. Under torchrun (`dist`) every rank
+    evaluates every W-th example, and the numbers are over all of them; `records` holds this rank's.
     """
     n = len(task) if limit is None else min(limit, len(task))
     if n < 1:
@@ -37,8 +39,9 @@ def evaluate(backend, task, *, stop_ids, max_new_tokens: int, batch_size: int = 
     stops = set(stop_ids)
     correct = rewards = lengths = truncated = 0
     records = []
-    for start in tqdm(range(0, n, batch_size), desc="eval", unit="batch", disable=None if progress else True):
-        ids = list(range(start, min(start + batch_size, n)))
+    mine = range(dist.rank, n, dist.world)
+    for start in tqdm(range(0, len(mine), batch_size), desc="eval", unit="batch", disable=None if progress else True):
+        ids = list(mine[start:start + batch_size])
         rollout = backend.generate([task.prompt(i) for i in ids], 1, max_new_tokens, GREEDY, tuple(stop_ids),
                                    [0] * len(ids))
         for i, completion in zip(ids, rollout.tokens):
@@ -46,6 +49,8 @@ def evaluate(backend, task, *, stop_ids, max_new_tokens: int, batch_size: int = 
             correct, rewards, lengths = correct + ok, rewards + reward, lengths + len(completion)
             truncated += not stops & set(completion)
             records.append({**task.describe(i), "completion_ids": completion, "reward": reward, "correct": ok})
+    correct, rewards, lengths, truncated = dist.sum(torch.tensor([correct, rewards, lengths, truncated],
+                                                                 dtype=torch.float64)).tolist()
     return {"accuracy": correct / n, "reward_mean": rewards / n, "completion_len_mean": lengths / n,
             "truncated_frac": truncated / n, "n": n, "seconds": time.perf_counter() - t0, "records": records}
 

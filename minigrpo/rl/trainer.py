@@ -383,7 +383,8 @@ class Trainer:
     def evaluate(self) -> dict:
         cfg = self.cfg
         res = evaluate(self.backend, self.eval_task, stop_ids=self.stop_ids, limit=cfg.eval_limit,
-                       max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.eval_batch_size)
+                       max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.eval_batch_size,
+                       progress=self.dist.is_main, dist=self.dist)
         return {f"eval_{k}": v for k, v in res.items() if k != "records"}
 
     def run(self) -> list[dict]:
@@ -391,16 +392,18 @@ class Trainer:
 
         Stops early, raising, on SIGINT / SIGTERM (after the current step and a checkpoint: `Interrupted`)
         and on a NaN or inf loss or weight (before saving them: `NonFiniteError`); see stopping.py."""
-        cfg, main = self.cfg, self.dist.is_main  # rank 0 alone evaluates, logs and saves
+        cfg, main = self.cfg, self.dist.is_main  # rank 0 alone logs and saves; every rank evaluates its share
         logger = MetricsLogger(self.out_dir, tensorboard=self.tensorboard, echo=self.echo,
                                resume_step=self.step_idx if self.step_idx else None) if main else None
-        evaluating = main and self.eval_task is not None and cfg.eval_every
+        evaluating = self.eval_task is not None and cfg.eval_every
         history = []
         bar = tqdm(total=cfg.steps, initial=self.step_idx, desc="train", unit="step", disable=None if main else True)
         try:
             with StopSignals() as signals:
                 if evaluating and self.step_idx == 0:
-                    logger.log({"step": 0, **self.evaluate()})
+                    m = {"step": 0, **self.evaluate()}
+                    if main:
+                        logger.log(m)
                 while self.step_idx < cfg.steps:
                     signum = int(self.dist.max(torch.tensor(signals.received or 0)))  # any rank's signal stops all
                     if signum:

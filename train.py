@@ -4,6 +4,7 @@
     python train.py --preset smoke                   # CPU, tiny random model, synthetic task, ~1 minute
     python train.py --out runs/a --resume            # continue runs/a from its newest checkpoint, exactly
     torchrun --nproc-per-node 4 train.py -B 32       # data parallel: 8 prompts per rank, DDP update
+    torchrun --nproc-per-node 4 train.py -B 32 --parallel fsdp   # the same, weights and AdamW state sharded
 
 Defaults follow the Dr. GRPO recipe (Liu et al. 2025, "Understanding R1-Zero-Like Training"): G = 8
 samples per prompt, temperature 1.0, lr 1e-6 with constant schedule, clip eps 0.2, one on-policy update per

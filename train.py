@@ -38,6 +38,7 @@ import torch
 from minigrpo.engine.rollout import ATTN_BACKENDS, make_backend
 from minigrpo.rl import distributed
 from minigrpo.rl.config import PARALLEL, WEIGHT_DTYPES, TrainConfig
+from minigrpo.rl.loop import run
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import latest_name, remove_stale_temps
 from minigrpo.run.run_dir import check_out, move_aside
@@ -261,12 +262,7 @@ def resume_command(argv: list[str]) -> str:
 
 
 def build_smoke(args):
-    from minigrpo.tasks.synthetic import (
-        CharTokenizer,
-        CopyTask,
-        FirstDigitTask,
-        tiny_policy,
-    )
+    from minigrpo.tasks.synthetic import CharTokenizer, CopyTask, FirstDigitTask, tiny_policy
 
     # The tiny model's ops are too small to split across threads: with several, OpenMP synchronisation
     # dominates, and on a busy CI machine a step gets 5x slower. One thread is the fastest.
@@ -360,7 +356,7 @@ def _train(args, dist, out: Path, argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        history = trainer.run()
+        history = run(trainer)
     except Interrupted as e:
         if dist.is_main:
             print(f"{signal.Signals(e.signum).name} at step {e.step}: saved {e.checkpoint}; resume with: "

@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
+from minigrpo.rl.loop import run  # noqa: E402
 from minigrpo.rl.trainer import Trainer  # noqa: E402
 
 TARGET, WINDOW, MAX_RATIO = 0.8, 10, 1.5
@@ -46,7 +47,7 @@ def train_curve(argv: list[str], sync: bool) -> list[float]:
     if not sync:
         backend.load_weights = lambda model: None
     trainer = Trainer(args.cfg, model, tokenizer, train, backend, args.out, echo=False)
-    return [m["reward_mean"] for m in trainer.run()]
+    return [m["reward_mean"] for m in run(trainer)]
 
 
 def window_mean(rewards: list[float], step: int) -> float:

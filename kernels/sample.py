@@ -43,6 +43,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels.decode_attention import INTERPRETED, check_runnable
+
 M31 = 0x7FFFFFFF  # the hash's 31-bit mask, and the index of the chunk draw's uniform, as in the reference
 
 

@@ -40,23 +40,25 @@ def trainer(out: Path, dist: distributed.Dist = distributed.Dist(), **overrides)
 
 
 def check_sharded_optimizer_step() -> None:
-    """Two parameters of 37 and 5 rows, split 19 + 18 and 3 + 2 over the ranks: three steps on the shards give
-    the whole parameters' steps exactly."""
+    """Parameters of 37, 5 and 3 rows, split 19 + 18, 3 + 2 and 2 + 1 over the ranks: three steps on the shards
+    give the whole parameters' steps exactly, with chunks of 16 elements (each shard cut) and of 1000 (the
+    whole parameters grouped into one piece, which the shards must not be)."""
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,))
-    g = torch.Generator().manual_seed(0)
-    whole = [torch.nn.Parameter(torch.randn(n, 6, generator=g).bfloat16()) for n in (37, 5)]
-    shards = [torch.nn.Parameter(distribute_tensor(w.detach().clone(), mesh, [Shard(0)])) for w in whole]
-    opts = [StochasticAdamW(ps, lr=1e-2, weight_decay=0.1, chunk=16) for ps in (whole, shards)]
-    for t in range(3):
+    for chunk in (16, 1000):
+        g = torch.Generator().manual_seed(0)
+        whole = [torch.nn.Parameter(torch.randn(n, 6, generator=g).bfloat16()) for n in (37, 5, 3)]
+        shards = [torch.nn.Parameter(distribute_tensor(w.detach().clone(), mesh, [Shard(0)])) for w in whole]
+        opts = [StochasticAdamW(ps, lr=1e-2, weight_decay=0.1, chunk=chunk) for ps in (whole, shards)]
+        for t in range(3):
+            for w, s in zip(whole, shards):
+                w.grad = torch.sin(torch.arange(w.numel(), dtype=torch.float32) + t).view_as(w).bfloat16()
+                s.grad = distribute_tensor(w.grad, mesh, [Shard(0)])
+            for opt in opts:
+                opt.step(seed=t)
         for w, s in zip(whole, shards):
-            w.grad = torch.sin(torch.arange(w.numel(), dtype=torch.float32) + t).view_as(w).bfloat16()
-            s.grad = distribute_tensor(w.grad, mesh, [Shard(0)])
-        for opt in opts:
-            opt.step(seed=t)
-    for w, s in zip(whole, shards):
-        assert torch.equal(s.full_tensor(), w), "a sharded StochasticAdamW step differs from the whole one"
+            assert torch.equal(s.full_tensor(), w), f"a sharded StochasticAdamW step differs (chunk {chunk})"
 
 
 def main(out: Path) -> None:

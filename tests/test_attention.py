@@ -18,12 +18,7 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
-from minigrpo.engine.attention import (  # noqa: E402
-    BACKENDS,
-    decode_attention,
-    rope_store,
-    rope_store_torch,
-)
+from minigrpo.engine.attention import BACKENDS, decode_attention, rope_store, rope_store_torch  # noqa: E402
 from minigrpo.model.qwen2 import apply_rope, rope_cos_sin  # noqa: E402
 
 

@@ -6,14 +6,7 @@ import sys
 import pytest
 from conftest import SHARED_DATA
 
-from minigrpo.tasks.gsm8k import (
-    INSTRUCTION,
-    Example,
-    build_messages,
-    load_gsm8k,
-    load_jsonl,
-    parse_ground_truth,
-)
+from minigrpo.tasks.gsm8k import INSTRUCTION, Example, build_messages, load_gsm8k, load_jsonl, parse_ground_truth
 from minigrpo.tasks.verifier import normalize_number
 
 DATA = SHARED_DATA / "gsm8k"

@@ -178,3 +178,23 @@ def test_bf16_micro_batch_gradients_are_summed_in_fp32():
     for x in grads[1:]:
         naive = naive + x                                                  # round to nearest bf16 each time
     assert ((naive.double() - exact).abs() > bound).all()                  # what the fp32 sum avoids
+
+
+def test_grouping_small_tensors_changes_no_rounding():
+    # Concatenated small tensors keep each element's global noise index: the same bits as one tensor at a time.
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7,), (3, 5), (40,), (2,), (64, 3), (1,), (30,)]
+    w0 = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g).bfloat16() for s in shapes] for _ in range(3)]
+    out = []
+    for chunk in (4, 100, 10**6):  # each tensor alone in chunks of 4; some grouped, some alone; all in one
+        ws = [torch.nn.Parameter(w.clone().bfloat16()) for w in w0]
+        opt = StochasticAdamW(ws, lr=1e-2, weight_decay=0.1, chunk=chunk)
+        for t in range(3):
+            for w, gr in zip(ws, grads[t]):
+                w.grad = gr.clone()
+            opt.step(t)
+        out.append([torch.cat([w.detach().view(-1), opt.state[w]["exp_avg"].view(-1),
+                               opt.state[w]["exp_avg_sq"].view(-1)]) for w in ws])
+    for other in out[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(out[0], other))

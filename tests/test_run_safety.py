@@ -21,12 +21,7 @@ from safetensors.torch import load_file
 from minigrpo.engine.rollout import ReferenceBackend
 from minigrpo.rl.config import TrainConfig
 from minigrpo.rl.trainer import Trainer
-from minigrpo.run.checkpoints import (
-    LATEST,
-    load_checkpoint,
-    resolve_checkpoint,
-    save_checkpoint,
-)
+from minigrpo.run.checkpoints import LATEST, load_checkpoint, resolve_checkpoint, save_checkpoint
 from minigrpo.run.metrics import LEGEND, MetricsLogger
 from minigrpo.run.run_dir import check_out
 from minigrpo.run.stopping import NonFiniteError

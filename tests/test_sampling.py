@@ -3,14 +3,7 @@
 import pytest
 import torch
 
-from minigrpo.model.sampling import (
-    GREEDY,
-    SAMPLE_CHUNK,
-    SamplingParams,
-    filter_logits,
-    sample,
-    uniform_noise,
-)
+from minigrpo.model.sampling import GREEDY, SAMPLE_CHUNK, SamplingParams, filter_logits, sample, uniform_noise
 
 
 def test_samples_follow_the_tempered_softmax():

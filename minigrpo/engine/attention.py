@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels  # registers torch.ops.minigrpo.*
 from kernels.decode_attention import check_decode_inputs
 from kernels.rope_store import check_rope_store_inputs
 from minigrpo.model.qwen2 import apply_rope

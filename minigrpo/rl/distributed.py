@@ -126,7 +126,7 @@ class _Forward(torch.nn.Module):
 
 # FSDP2 warns when a wrapped module returns a view, in case the caller modifies it in place, which would bypass
 # its backward hook. Log-probs come back as views (`.view(n, C)`) and the trainer only reads them.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP_Forward\) returned a view", category=UserWarning)
+warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDP_Forward\) returned a view", UserWarning)
 
 
 def _fully_shard(module: _Forward, **root) -> _Forward:

@@ -16,18 +16,25 @@ The random bits are a hash of (seed, element index), the sampler's counter-based
 not a generator's stream: a step is a pure function of its seed, which the trainer derives from (seed,
 step), so runs are reproducible and resumes exact. It also lets the whole update of a chunk compile
 into one fused kernel (`compile=True`, on CUDA by default), instead of ~40 eager launches per chunk.
-The fp32 arithmetic runs over chunks of at most `chunk` elements, which keeps its temporaries small next
-to the model (the embedding alone is 136M elements).
+The update runs over chunks of the parameters' elements in order: a large parameter is cut into chunks of
+`chunk` elements; consecutive small ones (norms, biases, a small model's projections) are concatenated
+into one chunk and copied back, because each call of the compiled function costs host time (its guards
+and launch) that a small tensor's work does not cover. Element i of the concatenation keeps its global
+index, so the grouping does not change a single rounding. Eager, `chunk` bounds the fp32 temporaries;
+compiled, they live in registers and `chunk` only sets the call count.
 
 Sharded parameters (FSDP: DTensors, each rank holding a block of rows) are updated shard by shard, each
-element with the noise of its index in the whole model, so a sharded step equals the unsharded one. The
-state is created with the optimizer, not at the first step: torch.distributed.checkpoint's state-dict
-helpers would otherwise create it with a zero-learning-rate `step()`, which takes no seed here.
+element with the noise of its index in the whole model, so a sharded step equals the unsharded one, under
+any number of ranks. (Shards of consecutive parameters are not consecutive in that index, so they are not
+grouped.) The state is created with the optimizer, not at the first step: torch.distributed.checkpoint's
+state-dict helpers would otherwise create it with a zero-learning-rate `step()`, which takes no seed here.
 
 Shape legend: n elements of one chunk.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -64,27 +71,15 @@ def _adamw_chunk(w, g, m, v, hyper, seeds, offset: int) -> None:
     v.copy_(round_stochastic(v32, seeds[2], offset))
 
 
-def _shard(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The elements of x this process updates, flat, and the index in x of the first: all of a plain tensor,
-    or this rank's block of rows of a DTensor that FSDP shards (dim 0, split as torch.chunk splits)."""
-    if not isinstance(x, DTensor):
-        return x.view(-1), 0
-    assert x.placements == (Shard(0),), f"expected FSDP's dim-0 sharding, got {x.placements}"
-    rows = -(-x.shape[0] // x.device_mesh.size())                                # rows per rank
-    first_row = min(x.device_mesh.get_local_rank() * rows, x.shape[0])
-    return x.to_local().view(-1), first_row * (x.numel() // max(1, x.shape[0]))
-
-
 class StochasticAdamW(torch.optim.Optimizer):
     """Decoupled-weight-decay Adam (torch.optim.AdamW's math) for bf16 parameters, rounding stochastically.
 
     compile: None = torch.compile the chunk update when the parameters are on CUDA (one compile, shapes
-    symbolic), eager elsewhere; the two compute the same thing."""
+    symbolic), eager elsewhere; the two compute the same thing. chunk: None = 64M elements compiled, 4M eager."""
 
     def __init__(self, params, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, chunk: int = 1 << 22, compile: bool | None = None):
+                 weight_decay: float = 0.0, chunk: int | None = None, compile: bool | None = None):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.chunk = chunk
         devices = set()
         for group in self.param_groups:
             for p in group["params"]:
@@ -92,10 +87,12 @@ class StochasticAdamW(torch.optim.Optimizer):
                     raise ValueError(f"StochasticAdamW is for bf16 parameters, got {p.dtype} "
                                      f"(use torch.optim.AdamW for fp32 master weights)")
                 devices.add(p.device.type)
-                self.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                self.state[p] = {"step": torch.zeros((), dtype=torch.float32),  # on the CPU, as torch's AdamW
                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}  # bf16, like p
         if compile is None:
             compile = devices == {"cuda"}
+        # Compiled, fewer calls are faster (bench/optim.py); eager, 4M elements bound the fp32 temporaries.
+        self.chunk = chunk or (1 << 26 if compile else 1 << 22)
         self._update = torch.compile(_adamw_chunk, dynamic=True) if compile else _adamw_chunk
 
     @torch.no_grad()
@@ -105,20 +102,53 @@ class StochasticAdamW(torch.optim.Optimizer):
         start = 0  # element index across all parameters: every element gets its own noise
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            consts = {}  # (device, t) -> (hyper, seeds) on that device: one small copy, not one per tensor
+            params = []  # (parameter, the index of its first element here: on this rank, when sharded)
             for p in group["params"]:
-                start, offset = start + p.numel(), start  # p.numel(): of the whole parameter, when sharded
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                state["step"] += 1
-                t = state["step"].item()  # a CPU tensor, as torch's AdamW keeps it: no device sync
-                if (p.device, t) not in consts:
-                    hyper = torch.tensor([lr / (1 - b1 ** t), b1, b2, eps, 1 - lr * wd, 1 - b2 ** t])
-                    consts[p.device, t] = (hyper.to(p.device), streams.to(p.device))
-                hyper, seeds = consts[p.device, t]
-                (w, first), (g, _), (m, _), (v, _) = map(_shard, (p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
-                offset += first
-                for w, g, m, v in zip(*(x.split(self.chunk) for x in (w, g, m, v))):  # (n,) views into p, grad, m, v
+                if p.grad is not None:
+                    self.state[p]["step"] += 1
+                    params.append((p, start + _first_index(p)))
+                start += p.numel()  # of the whole parameter, when sharded
+            # Runs of parameters on one device at one step count share the step's constants.
+            for (device, t), run in itertools.groupby(params, lambda q: (q[0].device, self.state[q[0]]["step"].item())):
+                hyper = torch.tensor([lr / (1 - b1 ** t), b1, b2, eps, 1 - lr * wd, 1 - b2 ** t]).to(device)
+                seeds = streams.to(device)
+                quads = [((p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]), first)
+                         for p, first in run]
+                for piece, offset in _chunks(quads, self.chunk):
+                    w, g, m, v = (torch.cat(x) if len(piece) > 1 else x[0] for x in zip(*piece))  # (n,) each
                     self._update(w, g, m, v, hyper, seeds, offset)
-                    offset += w.numel()
+                    if len(piece) > 1:  # concatenated: copy the results back
+                        for j, new in ((0, w), (2, m), (3, v)):
+                            torch._foreach_copy_([q[j] for q in piece], new.split([q[0].numel() for q in piece]))
+
+
+def _first_index(p: torch.Tensor) -> int:
+    """The index in p of its first element this process holds: 0, or where this rank's block of rows starts
+    in a DTensor that FSDP shards (dim 0, split as torch.chunk splits)."""
+    if not isinstance(p, DTensor):
+        return 0
+    assert p.placements == (Shard(0),), f"expected FSDP's dim-0 sharding, got {p.placements}"
+    rows = -(-p.shape[0] // p.device_mesh.size())                                  # rows per rank
+    return min(p.device_mesh.get_local_rank() * rows, p.shape[0]) * (p.numel() // p.shape[0])
+
+
+def _chunks(quads, chunk: int):
+    """((w, g, m, v), index of w's first element in the model) quadruples, in order, as pieces: (lists of flat
+    views that hold at most `chunk` elements together, the index of the piece's first element). A tensor of
+    at least chunk / 4 elements is cut alone into chunks; smaller ones share a piece when their elements
+    follow each other in the model."""
+    piece, size, begin = [], 0, 0
+    for quad, first in quads:
+        flat = [(x.to_local() if isinstance(x, DTensor) else x).view(-1) for x in quad]  # (n,) each: this rank's
+        n = flat[0].numel()
+        if piece and (size + n > chunk or 4 * n >= chunk or first != begin + size):
+            yield piece, begin
+            piece, size = [], 0
+        if 4 * n >= chunk:
+            yield from (([c], first + k * chunk) for k, c in enumerate(zip(*(x.split(chunk) for x in flat))))
+        else:
+            begin = begin if piece else first
+            piece.append(flat)
+            size += n
+    if piece:
+        yield piece, begin

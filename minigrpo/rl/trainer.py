@@ -1,4 +1,5 @@
-"""The Dr. GRPO training loop: rollout -> reward -> advantages -> clipped policy-gradient updates.
+"""The Dr. GRPO training step: rollout -> reward -> advantages -> clipped policy-gradient updates.
+(The run around it, with evaluation, logging, checkpoints and stopping, is loop.py.)
 
 One step (`Trainer.step`, which reads as this list; each stage is one call, the plumbing below it):
   1. rollout   B prompts x G samples from the rollout backend, at the sampling temperature
@@ -49,35 +50,18 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from tqdm import tqdm
 
 from minigrpo.model.sampling import SamplingParams
 from minigrpo.rl.config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
 from minigrpo.rl.data import EpochSampler
 from minigrpo.rl.distributed import Dist, GradSync, frozen_forward
-from minigrpo.rl.evaluate import evaluate
-from minigrpo.rl.grpo import (
-    dr_grpo_loss,
-    group_advantages,
-    nonzero_groups,
-    truncated_is_weights,
-)
+from minigrpo.rl.grpo import dr_grpo_loss, group_advantages, nonzero_groups, truncated_is_weights
 from minigrpo.rl.optim import StochasticAdamW
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
-from minigrpo.rl.step_metrics import (
-    UpdateSums,
-    mismatch_metrics,
-    rollout_metrics,
-    speed_and_memory,
-)
-from minigrpo.run.checkpoints import (
-    load_checkpoint,
-    resolve_checkpoint,
-    save_checkpoint,
-    set_latest,
-)
-from minigrpo.run.metrics import MetricsLogger, PhaseTimer
-from minigrpo.run.stopping import Interrupted, NonFiniteError, StopSignals, nonfinite
+from minigrpo.rl.step_metrics import UpdateSums, mismatch_metrics, rollout_metrics, speed_and_memory
+from minigrpo.run.checkpoints import load_checkpoint, resolve_checkpoint, save_checkpoint, set_latest
+from minigrpo.run.metrics import PhaseTimer
+from minigrpo.run.stopping import NonFiniteError, nonfinite
 
 _ROLLOUT, _SHUFFLE, _ROUND = 0x5A3D, 0x5AFF, 0x5A40  # stream tags for (seed, tag, step, ...) derivation
 SEQ_BUCKET = 64  # a compiled policy's batches are padded to a multiple of this many columns (Trainer._select)
@@ -144,7 +128,7 @@ class Trainer:
             # models; nn.Module.compile keeps the state-dict names. Static shapes: the trainer pads its
             # batches to fixed row counts and length buckets (_select), so a layer compiles once per bucket and
             # grad mode. Ragged shapes recompiled mid-run instead, 8-12 s a time, with automatic dynamic shapes
-            # as well as with dynamic=True (seen on the H200); `compiled_graphs` in the metrics shows any.
+            # as well as with dynamic=True; `compiled_graphs` in the metrics shows any.
             for m in (model, self.ref) if self.ref is not None else (model,):
                 for layer in m.model.layers:
                     layer.compile(dynamic=False)
@@ -153,7 +137,8 @@ class Trainer:
         self.dist = dist
         dist.shard(range(cfg.prompts_per_step), "prompts per step (-B)")  # fails now, not at step 1
         self.policy = GradSync(model, self._logprobs, dist, cfg.parallel)  # the training forward (DDP / FSDP)
-        self.ref_forward = frozen_forward(self.ref, self._logprobs, dist, cfg.parallel) if self.ref is not None else None
+        self.ref_forward = (frozen_forward(self.ref, self._logprobs, dist, cfg.parallel)  # scores the KL anchor
+                            if self.ref is not None else None)
         if cfg.weights == "bf16":  # after GradSync: FSDP replaces the parameters by their shards
             self.optimizer = StochasticAdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                              weight_decay=cfg.weight_decay)
@@ -241,9 +226,10 @@ class Trainer:
         batch = SequenceBatch.build([prompts[r // G] for r in index], [rollout.tokens[r] for r in index],
                                     pad_id=self.pad_id, stop_ids=self.stop_ids, device=self.device)
         offset = self.dist.rank * len(train)  # the global index of this rank's first rollout row
+        most = max(1, int(trained.view(self.dist.world, -1).sum(1).max()))  # the most rows of one rank
         return _Rows(batch, adv[index].to(self.device), pad_rows([rollout.logprobs[r] for r in index], batch.C,
                                                                  self.device),
-                     {offset + r: j for j, r in enumerate(kept)}, max(1, int(trained.view(self.dist.world, -1).sum(1).max())))
+                     {offset + r: j for j, r in enumerate(kept)}, most)
 
     def _reference_and_old_logprobs(self, rows: _Rows):
         """Stage 4: the KL reference's log-probs (beta > 0), and the old policy's with its entropy, (n, C) each.
@@ -307,9 +293,9 @@ class Trainer:
             for start in range(0, N, M):
                 drawn = [r for r in order[start:start + M] if trained[r]]
                 if drawn:
-                    most = max(sum(r // R == q for r in drawn) for q in range(W))
-                    yield (epoch * (N // M) + start // M, epoch, [rows.position[r] for r in drawn if r in rows.position],
-                           -(-most // cfg.micro_batch_size))
+                    mine = [rows.position[r] for r in drawn if r in rows.position]
+                    most = max(sum(r // R == q for r in drawn) for q in range(W))  # rows of the fullest rank
+                    yield epoch * (N // M) + start // M, epoch, mine, -(-most // cfg.micro_batch_size)
 
     def _micro_batches(self, minibatch: list[int], count: int):
         """(rows, last, loss weight) of each of `count` micro-batches. The weight is the loss scale of DDP / FSDP
@@ -378,70 +364,6 @@ class Trainer:
                                    return_entropy=return_entropy,
                                    checkpoint_layers=self.cfg.activation_checkpointing)
 
-    # ------------------------------------------------------------------------------------------- the loop
-
-    def evaluate(self) -> dict:
-        cfg = self.cfg
-        res = evaluate(self.backend, self.eval_task, stop_ids=self.stop_ids, limit=cfg.eval_limit,
-                       max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.eval_batch_size,
-                       progress=self.dist.is_main, dist=self.dist)
-        return {f"eval_{k}": v for k, v in res.items() if k != "records"}
-
-    def run(self) -> list[dict]:
-        """Train until cfg.steps, logging, evaluating and checkpointing on schedule. Returns the step records.
-
-        Stops early, raising, on SIGINT / SIGTERM (after the current step and a checkpoint: `Interrupted`)
-        and on a NaN or inf loss or weight (before saving them: `NonFiniteError`); see stopping.py."""
-        cfg, main = self.cfg, self.dist.is_main  # rank 0 alone logs and saves; every rank evaluates its share
-        logger = MetricsLogger(self.out_dir, tensorboard=self.tensorboard, echo=self.echo,
-                               resume_step=self.step_idx if self.step_idx else None) if main else None
-        evaluating = self.eval_task is not None and cfg.eval_every
-        history = []
-        bar = tqdm(total=cfg.steps, initial=self.step_idx, desc="train", unit="step", disable=None if main else True)
-        try:
-            with StopSignals() as signals:
-                if evaluating and self.step_idx == 0:
-                    m = {"step": 0, **self.evaluate()}
-                    if main:
-                        logger.log(m)
-                while self.step_idx < cfg.steps:
-                    signum = int(self.dist.max(torch.tensor(signals.received or 0)))  # any rank's signal stops all
-                    if signum:
-                        raise Interrupted(signum, self.step_idx, self.save())
-                    m = self.step()
-                    bad = nonfinite(self.model, m)
-                    if bad:
-                        if main:
-                            logger.log(m)
-                        raise NonFiniteError(self.step_idx, bad)
-                    done = self.step_idx == cfg.steps
-                    if evaluating and (self.step_idx % cfg.eval_every == 0 or done):
-                        m.update(self.evaluate())
-                    if main and cfg.sample_every and self.step_idx % cfg.sample_every == 0:
-                        logger.log_samples(self.step_idx, self._samples())
-                    if main:
-                        logger.log(m)
-                    history.append(m)
-                    if (cfg.save_every and self.step_idx % cfg.save_every == 0) or done:
-                        self.save()
-                    bar.set_postfix(reward=f"{m['reward_mean']:.3f}")
-                    bar.update()
-        finally:
-            bar.close()
-            if logger is not None:
-                logger.close()
-        return history
-
-    def _samples(self) -> list[dict]:
-        r, G = self.last_rollout, self.cfg.samples_per_prompt
-        out = []
-        for j in range(min(self.cfg.num_samples, len(r["completions"]))):
-            row = j * G  # the first sample of each of the first prompts
-            ex = r["examples"][row // G]
-            text = self.tokenizer.decode(r["completions"][row], skip_special_tokens=False)  # show the stop
-            out.append({**self.task.describe(ex), "completion": text, "reward": r["rewards"][row]})
-        return out
-
     # ------------------------------------------------------------------------------------------- checkpoints
 
     def save(self) -> Path:
@@ -453,8 +375,8 @@ class Trainer:
             raise NonFiniteError(self.step_idx, bad)
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0, in host memory; {} elsewhere
         weights = get_model_state_dict(self.model, options=full)
-        state = {"config": asdict(self.cfg), "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=full),
-                 "sampler": self.sampler.state_dict()}
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=full)
+        state = {"config": asdict(self.cfg), "optimizer": optimizer, "sampler": self.sampler.state_dict()}
         if self.dist.is_main:
             save_checkpoint(self.out_dir / "checkpoints", self.step_idx, self.model, state, weights=weights,
                             tokenizer_dir=self.tokenizer_dir, keep=self.cfg.keep_checkpoints)
@@ -475,7 +397,8 @@ class Trainer:
             diffs = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
             raise ValueError(f"cannot resume exactly: settings differ from the checkpoint's ({diffs}); "
                              f"rerun with the original values")
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
         self.sampler.load_state_dict(state["sampler"])
         self.step_idx = state["step"]
         self.backend.load_weights(self.model)

@@ -1,0 +1,86 @@
+"""The run around the training step: steps until done, evaluation, logging, samples and checkpoints on
+schedule, and a clean stop on Ctrl-C, SIGTERM or a NaN.
+
+    history = run(trainer)
+
+`Trainer.step` is the algorithm (trainer.py); this is the bookkeeping a real run needs around it. Rank 0
+alone logs and writes; every rank steps, evaluates its share of the examples and saves together
+(evaluation sums over ranks, checkpoints are collective).
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from minigrpo.rl.evaluate import evaluate
+from minigrpo.rl.trainer import Trainer
+from minigrpo.run.metrics import MetricsLogger
+from minigrpo.run.stopping import Interrupted, NonFiniteError, StopSignals, nonfinite
+
+
+def run(trainer: Trainer) -> list[dict]:
+    """Train until cfg.steps, logging, evaluating and checkpointing on schedule. Returns the step records.
+
+    Stops early, raising, on SIGINT / SIGTERM (after the current step and a checkpoint: `Interrupted`)
+    and on a NaN or inf loss or weight (before saving them: `NonFiniteError`); see stopping.py."""
+    t, cfg, main = trainer, trainer.cfg, trainer.dist.is_main
+    logger = MetricsLogger(t.out_dir, tensorboard=t.tensorboard, echo=t.echo,
+                           resume_step=t.step_idx if t.step_idx else None) if main else None
+    evaluating = t.eval_task is not None and cfg.eval_every
+    history = []
+    bar = tqdm(total=cfg.steps, initial=t.step_idx, desc="train", unit="step", disable=None if main else True)
+    try:
+        with StopSignals() as signals:
+            if evaluating and t.step_idx == 0:
+                m = {"step": 0, **_evaluate(t)}
+                if main:
+                    logger.log(m)
+            while t.step_idx < cfg.steps:
+                signum = int(t.dist.max(torch.tensor(signals.received or 0)))  # any rank's signal stops all
+                if signum:
+                    raise Interrupted(signum, t.step_idx, t.save())
+                m = t.step()
+                bad = nonfinite(t.model, m)
+                if bad:
+                    if main:
+                        logger.log(m)
+                    raise NonFiniteError(t.step_idx, bad)
+                done = t.step_idx == cfg.steps
+                if evaluating and (t.step_idx % cfg.eval_every == 0 or done):
+                    m.update(_evaluate(t))
+                if main and cfg.sample_every and t.step_idx % cfg.sample_every == 0:
+                    logger.log_samples(t.step_idx, _samples(t))
+                if main:
+                    logger.log(m)
+                history.append(m)
+                if (cfg.save_every and t.step_idx % cfg.save_every == 0) or done:
+                    t.save()
+                bar.set_postfix(reward=f"{m['reward_mean']:.3f}")
+                bar.update()
+    finally:
+        bar.close()
+        if logger is not None:
+            logger.close()
+    return history
+
+
+def _evaluate(t: Trainer) -> dict:
+    """Greedy accuracy on the eval task through the rollout backend, as eval_* metrics."""
+    cfg = t.cfg
+    res = evaluate(t.backend, t.eval_task, stop_ids=t.stop_ids, limit=cfg.eval_limit,
+                   max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.eval_batch_size,
+                   progress=t.dist.is_main, dist=t.dist)
+    return {f"eval_{k}": v for k, v in res.items() if k != "records"}
+
+
+def _samples(t: Trainer) -> list[dict]:
+    """The latest step's first completion of each of the first prompts, decoded with its stop token."""
+    r, G = t.last_rollout, t.cfg.samples_per_prompt
+    out = []
+    for j in range(min(t.cfg.num_samples, len(r["completions"]))):
+        row = j * G
+        ex = r["examples"][row // G]
+        text = t.tokenizer.decode(r["completions"][row], skip_special_tokens=False)
+        out.append({**t.task.describe(ex), "completion": text, "reward": r["rewards"][row]})
+    return out

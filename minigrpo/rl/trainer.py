@@ -44,12 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint import state_dict as dcp
 
 from minigrpo.model.sampling import SamplingParams
 from minigrpo.rl.config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
@@ -373,9 +368,9 @@ class Trainer:
         bad = nonfinite(self.model)
         if bad:
             raise NonFiniteError(self.step_idx, bad)
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0, in host memory; {} elsewhere
-        weights = get_model_state_dict(self.model, options=full)
-        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=full)
+        full = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0, in host memory; {} elsewhere
+        weights = dcp.get_model_state_dict(self.model, options=full)
+        optimizer = dcp.get_optimizer_state_dict(self.model, self.optimizer, options=full)
         state = {"config": asdict(self.cfg), "optimizer": optimizer, "sampler": self.sampler.state_dict()}
         if self.dist.is_main:
             save_checkpoint(self.out_dir / "checkpoints", self.step_idx, self.model, state, weights=weights,
@@ -397,8 +392,8 @@ class Trainer:
             diffs = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
             raise ValueError(f"cannot resume exactly: settings differ from the checkpoint's ({diffs}); "
                              f"rerun with the original values")
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
+        dcp.set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                     options=dcp.StateDictOptions(full_state_dict=True))
         self.sampler.load_state_dict(state["sampler"])
         self.step_idx = state["step"]
         self.backend.load_weights(self.model)

@@ -29,7 +29,7 @@ import re
 import shlex
 import signal
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,7 @@ from minigrpo.engine.rollout import ATTN_BACKENDS, make_backend
 from minigrpo.rl import distributed
 from minigrpo.rl.config import PARALLEL, WEIGHT_DTYPES, TrainConfig
 from minigrpo.rl.loop import run
+from minigrpo.rl.memory import estimate
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import latest_name, remove_stale_temps
 from minigrpo.run.run_dir import check_out, move_aside
@@ -60,6 +61,10 @@ PRESETS = {
               "save_every": 0, "sample_every": 25},
 }
 D = TrainConfig()
+# The fit check's headroom over the estimated peak (minigrpo/rl/memory.py counts allocated bytes): the caching
+# allocator reserves more than it hands out (blocks rounded up, free blocks of one size not reusable for a
+# larger one), a few percent to 10% over a training step.
+MEMORY_MARGIN = 0.10
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -162,11 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "bf16: bf16 weights and AdamW moments, updated with stochastic rounding (8 bytes/param)")
     g.add_argument("--compile-policy", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the policy's decoder layers for the training and scoring forwards "
-                        "(fused elementwise ops, fewer kernel launches). Batches are padded to static shapes "
-                        "(rows to the micro-batch size, columns to a multiple of 64), so each length bucket "
-                        "compiles once, during the first steps (default: on with CUDA)")
+                        "(fused elementwise ops, fewer kernel launches). Batch and length dimensions are "
+                        "dynamic: one graph per grad mode, compiled in the first step (default: on with CUDA)")
     g.add_argument("--logprob-chunk-size", type=int, default=D.logprob_chunk_size,
-                   help="tokens per LM-head chunk when computing log-probs (memory: chunk x vocab x 4 bytes); "
+                   help="tokens per LM-head chunk when computing log-probs (memory: ~2 x chunk x vocab x 2 bytes on CUDA); "
                         "0 = full logits, the naive way (to compare memory)")
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                    default=D.activation_checkpointing,
@@ -275,8 +279,9 @@ def build_smoke(args):
     return model, tokenizer, train, test, None
 
 
-def build_gsm8k(args):
+def build_gsm8k(args, dist: distributed.Dist):
     from minigrpo.model.checkpoint import load_model
+    from minigrpo.model.config import ModelConfig
     from minigrpo.model.tokenizer import Tokenizer
     from minigrpo.rl.evaluate import resolve_model_dir
     from minigrpo.tasks.gsm8k import load_gsm8k
@@ -286,20 +291,103 @@ def build_gsm8k(args):
     tokenizer = Tokenizer.from_dir(model_dir)
     train = GSM8KTask(load_gsm8k("train", args.train_data), tokenizer)
     test = GSM8KTask(load_gsm8k("test", args.test_data), tokenizer) if args.cfg.eval_every else None
+    check_memory(args, ModelConfig.from_json(model_dir), train, test, dist)  # before any weight is on the device
     model = load_model(model_dir, dtype=WEIGHT_DTYPES[args.weights], device=args.device)  # the trained copy
     return model, tokenizer, train, test, model_dir
 
 
-def build_backend(args, model, tokenizer, train, test):
-    """The rollout backend for these flags, its engine sized to the run: block tables for the prompt budget
-    (every prompt checked against it and the model's positions, task.prompt_budget) plus the completion
-    budget, the KV pool for one rollout (B x G sequences)."""
+def engine_shape(args, max_positions: int, train, test, world: int = 1) -> tuple[int, dict]:
+    """(prompt budget, the rollout engine's size): block tables for the prompt budget (every prompt checked
+    against it and the model's positions, task.prompt_budget) plus the completion budget, and this rank's
+    share of the rollout, B x G / W sequences, for the batch buckets and the KV pool."""
     new_tokens = max(args.cfg.max_new_tokens, args.cfg.eval_max_new_tokens or 0)
     used = [(train, len(train))] + ([(test, min(len(test), args.cfg.eval_limit or len(test)))] if test else [])
-    prompt_tokens = prompt_budget(used, model.config.max_position_embeddings, new_tokens, args.max_prompt_tokens)
+    prompt_tokens = prompt_budget(used, max_positions, new_tokens, args.max_prompt_tokens)
+    return prompt_tokens, {"max_seq_len": prompt_tokens + new_tokens, "max_batch": args.cfg.rows_per_step // world}
+
+
+def build_backend(args, model, tokenizer, train, test, world: int = 1):
+    """The rollout backend for these flags, its engine sized by engine_shape."""
+    _, shape = engine_shape(args, model.config.max_position_embeddings, train, test, world)
     return make_backend(args.attn, model, pad_id=tokenizer.pad_id, compile=args.compile,
-                        cuda_graphs=args.cuda_graphs, max_seq_len=prompt_tokens + new_tokens,
-                        max_batch=args.cfg.prompts_per_step * args.cfg.samples_per_prompt, sampler=args.sampler)
+                        cuda_graphs=args.cuda_graphs, sampler=args.sampler, **shape)
+
+
+def memory_estimator(args, model_cfg, train, test, world: int = 1, capacity: int | None = None,
+                     longest_prompt: int | None = None):
+    """TrainConfig -> minigrpo.rl.memory.estimate of this run's peak per rank (its model, engine, device).
+    longest_prompt: the longest prompt a training batch holds (default: the data's longest; a benchmark
+    compares the estimate with steps that never drew it)."""
+    prompt_tokens, shape = engine_shape(args, model_cfg.max_position_embeddings, train, test, world)
+    prompt_tokens = longest_prompt or prompt_tokens
+    engine = None
+    if args.attn != "reference":
+        from minigrpo.engine.config import EngineConfig
+        engine = EngineConfig(**shape)
+    return lambda cfg: estimate(model_cfg, cfg, prompt_tokens=prompt_tokens, engine=engine, world=world,
+                                cuda=torch.device(args.device).type == "cuda", capacity=capacity)
+
+
+class DoesNotFit(ValueError):
+    """The run's estimated peak memory exceeds the device's free memory (check_memory)."""
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free on a CUDA device before the run allocates anything; None elsewhere (no check)."""
+    return torch.cuda.mem_get_info(device)[0] if torch.device(device).type == "cuda" else None
+
+
+def check_memory(args, model_cfg, train, test, dist: distributed.Dist) -> None:
+    """Stop at start, with one line naming a setting that fits, when the estimated peak (plus MEMORY_MARGIN)
+    exceeds the device's free memory (the least of all ranks', so that every rank decides alike)."""
+    free = free_memory(args.device)
+    if free is None:
+        return
+    free = -int(dist.max(torch.tensor(-free)))
+    peak = memory_estimator(args, model_cfg, train, test, dist.world, free)
+
+    def fits(cfg: TrainConfig) -> bool:
+        return peak(cfg).total * (1 + MEMORY_MARGIN) <= free
+    need, gib = peak(args.cfg), 2**30
+    if fits(args.cfg):
+        if dist.is_main:
+            print(f"memory: about {need.total / gib:.1f} of the {free / gib:.1f} GiB free on {args.device} ({need})",
+                  file=sys.stderr)
+        return
+    change = leaner(args.cfg, fits)
+    fix = (f"it fits with {as_flags(change)} (about {peak(replace(args.cfg, **change)).total / gib:.1f} GiB)"
+           if change else "no setting of --weights, --activation-checkpointing, --logprob-chunk-size and "
+           "--micro-batch-size fits: use a smaller model, or shorter --max-new-tokens or prompts")
+    raise DoesNotFit(f"this run needs about {need.total / gib:.1f} GiB ({need}) and {MEMORY_MARGIN:.0%} more for "
+                     f"the allocator, but {args.device} has {free / gib:.1f} GiB free; {fix}")
+
+
+def leaner(cfg: TrainConfig, fits) -> dict | None:
+    """The first change to cfg, in order of what it costs, for which fits(changed cfg) holds: a smaller
+    micro-batch (down to a quarter), activation checkpointing (one more forward), 256-token LM-head chunks,
+    bf16 weights, and their combinations; last, the leanest setting with micro-batches down to 1 row.
+    Returns the changed TrainConfig fields, or None when nothing fits."""
+    lean = {"weights": "bf16", "activation_checkpointing": True, "logprob_chunk_size": 256}
+    changes = [{}, {"activation_checkpointing": True}, {"activation_checkpointing": True, "logprob_chunk_size": 256},
+               {"weights": "bf16"}, {"weights": "bf16", "activation_checkpointing": True}, lean]
+    mb = cfg.micro_batch_size
+    tries = [(c, n) for c in changes for n in (mb, mb // 2, mb // 4) if n >= 1]
+    tries += [(lean, mb >> k) for k in range(3, mb.bit_length())]
+    for change, n in tries:
+        change = {**change, "micro_batch_size": n}
+        if 0 < cfg.logprob_chunk_size < change.get("logprob_chunk_size", 0):
+            del change["logprob_chunk_size"]  # never a larger chunk
+        diff = {k: v for k, v in change.items() if getattr(cfg, k) != v}
+        if diff and fits(replace(cfg, **diff)):
+            return diff
+    return None
+
+
+def as_flags(change: dict) -> str:
+    """TrainConfig fields -> the command-line flags that set them: {"weights": "bf16"} -> "--weights bf16"."""
+    flags = {a.dest: next(o for o in a.option_strings if o.startswith("--"))
+             for a in build_parser()._actions if a.option_strings}
+    return " ".join(flags[k] if v is True else f"{flags[k]} {v}" for k, v in change.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,10 +426,11 @@ def _train(args, dist, out: Path, argv: list[str]) -> int:
             print(f"run folder: {out}" + (f" (the run that was there is now {aside})" if aside else ""),
                   file=sys.stderr)
         dist.barrier()
-        model, tokenizer, train, test, model_dir = (build_gsm8k if args.preset == "gsm8k" else build_smoke)(args)
+        model, tokenizer, train, test, model_dir = (build_gsm8k(args, dist) if args.preset == "gsm8k"
+                                                    else build_smoke(args))
         if nonfinite(model):
             raise ValueError(f"the weights in {model_dir} hold NaN or inf; train from a sound model")
-        backend = build_backend(args, model, tokenizer, train, test)
+        backend = build_backend(args, model, tokenizer, train, test, dist.world)
         # Built before resuming: with --beta > 0 the KL reference is the initial policy, not the checkpoint.
         trainer = Trainer(args.cfg, model, tokenizer, train, backend, out, eval_task=test,
                           tokenizer_dir=model_dir, tensorboard=args.tensorboard, dist=dist)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|trl
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|speed|speedbig
+# (and `revs`, run here before a device call, not there)
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
 set -u
@@ -8,21 +9,16 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; export OUT; mkdir -p "$OUT"
 DATA=${MINIGRPO_DATA:-../shared/data}
 LEAN="--weights bf16 --activation-checkpointing --logprob-chunk-size 256"  # TRL's memory setting (README)
-rand05b() {  # the random-initialised Qwen2.5-0.5B the trainer benchmarks run on, written once per machine
-  [ -d /tmp/rand05b ] || python3 weights/download.py --random-init \
-    --config "$DATA/qwen2.5-0.5b-instruct/config.json" --out /tmp/rand05b
-}
-rand15b() {  # the same at the published 1.5B shape (the 0.5B's tokenizer: they share it)
-  [ -d /tmp/rand15b ] || python3 weights/download.py --random-init \
-    --config "$DATA/configs/qwen2.5-1.5b-instruct/config.json" --tokenizer-dir "$DATA/qwen2.5-0.5b-instruct" --out /tmp/rand15b
-}
-rand7b() {  # the published 7B shape (untied embedding and LM head), random bf16 weights: 15 GB, a few minutes
-  [ -d /tmp/rand7b ] || python3 weights/download.py --random-init \
-    --config "$DATA/configs/qwen2.5-7b-instruct/config.json" --tokenizer-dir "$DATA/qwen2.5-0.5b-instruct" --out /tmp/rand7b
+rand() {  # random weights at a published Qwen2.5 shape (0.5b, 1.5b, 3b, 7b) in /tmp/rand05b, rand15b, rand3b,
+          # rand7b, written once per machine, with the 0.5B's tokenizer (the family shares it)
+  local cfg=$DATA/configs/qwen2.5-$1-instruct/config.json
+  [ "$1" = 0.5b ] && cfg=$DATA/qwen2.5-0.5b-instruct/config.json
+  [ -d "/tmp/rand${1/./}" ] || python3 weights/download.py --random-init --config "$cfg" --device cuda \
+    --tokenizer-dir "$DATA/qwen2.5-0.5b-instruct" --out "/tmp/rand${1/./}"  # drawn on the GPU: seconds, not minutes
 }
 case "${1:-}" in
   checks)      # correctness on the GPU: kernels in bf16, logits / greedy vs transformers, engine modes
-    python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 tests/test_kernels.py tests/test_gpu.py \
+    python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 tests/test_kernels.py tests/test_gpu.py tests/test_memory.py \
       2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[|passed|failed|FAILED|Error" ;;
   fitted)      # the same checks on confident weights: the random 0.5B fitted to GSM8K solutions, those of
                # the checked prompts learnt by heart (~3 min; bench/fit_gsm8k.py says why), where bf16
@@ -42,7 +38,7 @@ case "${1:-}" in
   logprobs)    # memory of chunked vs full-logit log-probs
     python3 bench/logprobs_memory.py ;;
   train)       # one full Dr. GRPO step per backend on a random-initialised Qwen2.5-0.5B
-    rand05b
+    rand 0.5b
     for attn in triton sdpa; do
       python3 train.py --model-dir /tmp/rand05b --train-data "$DATA/gsm8k/train.jsonl" --test-data "$DATA/gsm8k/test.jsonl" \
         --device cuda --attn "$attn" -B 8 -G 8 --max-new-tokens 256 -K 2 --beta 0.04 --steps 2 --eval-every 0 \
@@ -50,17 +46,17 @@ case "${1:-}" in
     done ;;
   trainstep)   # every phase timed (stand-in reward, see bench/train_step.py), plus a full-logits update run;
                # sdpa without compile saves its ~70 s step compile (only the phases after the rollout differ)
-    rand05b
+    rand 0.5b
     python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --attn triton,sdpa:none --steps 3 \
       --full-logits "${@:2}" ;;
   trainmem)    # update-phase memory with activation checkpointing: chunked vs full logits (no step compile)
-    rand05b
+    rand 0.5b
     python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --attn triton:none --full-logits \
       -- --activation-checkpointing "${@:2}" ;;
   trainvs)     # issue 5's acceptance set in one call (~9 min): the default (fp32 master weights, compiled
                # policy), the memory-lean setting, its full-logits baseline, the lean setting with 32-row
                # micro-batches (fewer launches, more memory), then TRL (needs .peers/, see trl)
-    rand05b
+    rand 0.5b
     T="python3 bench/train_step.py --model-dir /tmp/rand05b --data $DATA"
     OUT=$OUT/default $T --attn triton --steps 5 2>&1 | grep -E "^triton|Error"
     OUT=$OUT/lean $T --attn triton --steps 6 -- $LEAN 2>&1 | grep -E "^triton|Error"
@@ -68,20 +64,20 @@ case "${1:-}" in
     OUT=$OUT/lean_mb32 $T --attn triton --steps 6 -- $LEAN --micro-batch-size 32 2>&1 | grep -E "^triton|Error"
     bash bench/h200.sh trl ;;
   tis)         # the rollout/trainer mismatch and its TIS weights at the 0.5B and 1.5B shapes, LEAN, 8x8x256
-    rand05b; rand15b
+    rand 0.5b; rand 1.5b
     for m in 05b 15b; do
       OUT=$OUT/tis_$m python3 bench/train_step.py --model-dir /tmp/rand$m --data "$DATA" --attn triton --steps 3 \
         -- $LEAN "${@:2}" 2>&1 | grep -E "^triton|Error"
     done ;;
   long)        # long generation budgets at 0.5B, 8 x 8 x L: LEAN at L = 1024 and 2048, the default flags at 1024
-    rand05b
+    rand 0.5b
     T="python3 bench/train_step.py --model-dir /tmp/rand05b --data $DATA --attn triton --steps 5"
     OUT=$OUT/long1024 $T -- $LEAN --max-new-tokens 1024 2>&1 | grep -E "^triton|Error"
     OUT=$OUT/long2048 $T -- $LEAN --max-new-tokens 2048 2>&1 | grep -E "^triton|Error"
     OUT=$OUT/long1024_default $T -- --max-new-tokens 1024 2>&1 | grep -E "^triton|Error" ;;
   ddp)         # issue 6's scaling table: torchrun on 1, 2, 4, 8 GPUs (as many as there are) at a fixed
                # 8 prompts x 8 samples per GPU, the LEAN trainer flags; step time and tokens/s from rank 0
-    rand05b
+    rand 0.5b
     NG=$(python3 -c "import torch; print(torch.cuda.device_count())")
     for n in 1 2 4 8; do
       [ "$n" -le "$NG" ] || break
@@ -100,7 +96,7 @@ case "${1:-}" in
     T="bench/train_step.py --data $DATA --attn triton"
     case "${2:-}" in
       net)
-        rand05b
+        rand 0.5b
         { nvidia-smi topo -m; nvidia-smi nvlink -s; python3 -c "import torch; print('peer access 0->1, 1->0:', \
           torch.cuda.can_device_access_peer(0, 1), torch.cuda.can_device_access_peer(1, 0))"; } 2>&1 | tee "$OUT/topo.txt"
         for env in "" NCCL_P2P_DISABLE=1 "NCCL_P2P_DISABLE=1 NCCL_SHM_USE_CUDA_MEMCPY=1" NCCL_P2P_LEVEL=SYS NCCL_CUMEM_ENABLE=0; do
@@ -112,14 +108,14 @@ case "${1:-}" in
         grep -E "via (P2P|SHM|NET|CollNet)|P2P/|SHM/|NET/|CUMEM|P2P is disabled|P2P level|NVLS|Connected all|comm 0x.*nRanks" \
           "$OUT/nccl.log" | sed -E 's/^[^ ]+ //; s/[0-9]+:[0-9]+ \[[0-9]\]//' | sort | uniq -c | sort -rn | head -30 ;;
       profile)
-        rand05b
+        rand 0.5b
         NS=("${@:3}"); [ ${#NS[@]} -gt 0 ] || NS=(1 2)
         for n in "${NS[@]}"; do
           OUT=$OUT/profile$n torchrun --standalone --nproc-per-node "$n" $T --model-dir /tmp/rand05b --steps 4 --profile \
             -- $LEAN 2>&1 | grep -E "^triton|profiled|Error"
         done ;;
       scale)
-        M=${3:-05b}; if [ "$M" = 7b ]; then rand7b; else rand05b; fi
+        M=${3:-05b}; if [ "$M" = 7b ]; then rand 7b; else rand 0.5b; fi
         RUNS=("${@:4}"); [ ${#RUNS[@]} -gt 0 ] || RUNS=(ddp1 ddp2 fsdp2)
         for r in "${RUNS[@]}"; do  # ddp2 -> --parallel ddp on 2 GPUs
           OUT=$OUT/${M}_$r torchrun --standalone --nproc-per-node "${r: -1}" $T --model-dir "/tmp/rand$M" \
@@ -127,11 +123,56 @@ case "${1:-}" in
         done ;;
       *) echo "usage: bash bench/h200.sh ddp2 net | profile [N...] | scale [05b|7b] [ddp1|ddp2|fsdp2 ...]"; exit 2 ;;
     esac ;;
+  sizes)       # issue 17's sizes table: random weights at the published shapes given (default: 0.5b 1.5b 3b 7b),
+               # 8 x 8 x 256, K = 2, beta 0.04, 3 steps, with the default flags and the LEAN ones. Each run prints
+               # warm_step_s, peak_gb and the memory estimate (estimate_drawn_gb: for the prompts the steps drew,
+               # estimate_error against peak_gb), or `refused` with the one line the memory check stopped it with.
+               # About 3 min per size up to 3B, 6-7 min for 7b (its 15 GB random model is written first): one
+               # device call for `sizes 0.5b 1.5b`, one for `sizes 3b`, one for `sizes 7b`
+    SIZES=("${@:2}"); [ ${#SIZES[@]} -gt 0 ] || SIZES=(0.5b 1.5b 3b 7b)
+    for m in "${SIZES[@]}"; do
+      rand "$m"
+      T="python3 bench/train_step.py --model-dir /tmp/rand${m/./} --data $DATA --attn triton --steps 3"
+      OUT=$OUT/sizes_${m}_default $T 2>&1 | grep -E "^triton|Error" | sed "s/^triton/$m default/"
+      OUT=$OUT/sizes_${m}_lean $T -- $LEAN 2>&1 | grep -E "^triton|Error" | sed "s/^triton/$m lean/"
+    done ;;
+  engmem)      # issue 17.2: the engine on the bf16 policy's own memory against its private copy (--engine-copy,
+               # the behaviour before), LEAN, 8 x 8 x 256, K = 2, beta 0.04, 3 steps, at 0.5B and 7B; per run
+               # the per-step peak GB and seconds (step 1 compiles, step 3 meets a new length bucket), the KV
+               # pool's GB and the sync's seconds (~6 min: 7B weights ~0.5, 0.5B runs ~1 each, 7B runs ~1.5 each)
+    rand 0.5b; rand 7b
+    for m in 05b 7b; do
+      for mode in copy share; do
+        OUT=$OUT/engmem_${m}_$mode python3 bench/train_step.py --model-dir /tmp/rand$m --data "$DATA" --attn triton \
+          --steps 3 $([ $mode = copy ] && echo --engine-copy) -- $LEAN "${@:2}" 2>&1 | grep -E "^triton|Error" \
+          | sed "s/^triton/$m $mode/"
+      done
+    done ;;
   trl)         # the peer: TRL GRPOTrainer on the same workload (../shared/peers/trl_baseline.py). Its wheels and
                # script must travel in .peers/ (git-ignored; carry it): cp ../shared/peers/{wheels/*.whl,*.py} .peers/
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .peers/*.whl
     mkdir -p /tmp/peers && cp .peers/trl_baseline.py /tmp/peers/ && ln -sfn "$(realpath "$DATA")" /tmp/data
     PYTHONPATH=/tmp/site CACHE=${CACHE:-static} STEPS=${STEPS:-6} python3 /tmp/peers/trl_baseline.py 2>&1 | tail -3 ;;
-  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|trl [args]"
+  revs)        # HERE, before the device call: code versions for speed / speedbig as plain trees in .rev/NAME
+               # (git-ignored; carry .rev): bash bench/h200.sh revs before=a37b3cb static=3ffd85e
+    for spec in "${@:2}"; do
+      rm -rf ".rev/${spec%%=*}" && mkdir -p ".rev/${spec%%=*}" && git archive "${spec#*=}" | tar -x -C ".rev/${spec%%=*}"
+    done ;;
+  speed)       # issue 20 (~7 min): 0.5B, 8 x 8 x 256, K = 2, beta 0.04, LEAN; one process and one cold compile cache
+               # per variant: before (.rev/before), levers 1-4 with static shapes and 32-row micro-batches
+               # (.rev/static), all levers with 16- and 32-row micro-batches; a profiled update of the last
+               # (bench/speed.py says what each column is). Carry .rev and .devdata.
+    rand 0.5b
+    python3 bench/speed.py --model-dir /tmp/rand05b --data "$DATA" --steps ${STEPS:-8} --profile after32 \
+      --variant before=.rev/before --variant static32=.rev/static:--micro-batch-size=32 \
+      --variant after16=. --variant after32=.:--micro-batch-size=32 "${@:2}" ;;
+  speedbig)    # the same at the 1.5B and 7B shapes (MODELS="15b 7b"; ~4 min each), before and after (32-row
+               # micro-batches); TRL: the trl part
+    for m in ${MODELS:-15b 7b}; do
+      rand ${m/5b/.5b}
+      OUT=$OUT/$m python3 bench/speed.py --model-dir /tmp/rand$m --data "$DATA" --steps ${STEPS:-5} \
+        --variant before=.rev/before --variant after32=.:--micro-batch-size=32 "${@:2}" | sed -n '/^summary/,$p'
+    done ;;
+  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|speed|speedbig|revs [args]"
      exit 2 ;;
 esac

@@ -9,8 +9,9 @@ fresh process so that no run's compiled graphs or GPU state carry into the next:
              the decode step compiled and captured in CUDA graphs, the fused triton sampler, the compiled
              policy, the weights synced after every update. On the CPU: sdpa, eager, the torch sampler.
   reference  the plain generator on the policy module itself (nothing to sync).
-  no-sync    fast, with every sync after the initial weight load skipped: the engine keeps sampling the
-             initial policy.
+  no-sync    fast, with the engine built on a frozen copy of the initial policy and every sync skipped: it
+             keeps sampling the initial policy (a copy, since an engine in the policy's dtype would
+             otherwise share its memory and follow every update).
 It passes when fast and reference each reach reward 0.8 (the mean of WINDOW consecutive steps), their
 steps to get there are within 1.5x of each other, and no-sync does not get there. Writes curves.json
 (per-step rewards of each run) to --out, prints the curves side by side, exits 1 on a failed check.
@@ -19,6 +20,7 @@ steps to get there are within 1.5x of each other, and no-sync does not get there
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import multiprocessing
 import sys
@@ -40,10 +42,10 @@ REFERENCE_FLAGS = ["--attn", "reference", "--no-compile-policy"]
 
 def train_curve(argv: list[str], sync: bool) -> list[float]:
     """Train `train.py --preset learn` with these flags; the reward of each step's rollout.
-    sync=False skips the engine's weight syncs after the first load (done when the backend is built)."""
+    sync=False: the engine samples a frozen copy of the initial policy (module doc)."""
     args = train_cli.parse_args(["--preset", "learn", *argv])
     model, tokenizer, train, test, _ = train_cli.build_smoke(args)
-    backend = train_cli.build_backend(args, model, tokenizer, train, test)
+    backend = train_cli.build_backend(args, model if sync else copy.deepcopy(model), tokenizer, train, test)
     if not sync:
         backend.load_weights = lambda model: None
     trainer = Trainer(args.cfg, model, tokenizer, train, backend, args.out, echo=False)

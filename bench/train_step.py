@@ -12,9 +12,12 @@ scored here by a stand-in reward, the parity of the completion's token sum: abou
 a group score 1, so every group trains. Timing does not depend on what the reward values are.
 Settings: 8 prompts x 8 samples x 256 new tokens, K=2, beta=0.04 (as train.py flags). JSON to $OUT.
 
+Each run also reports the memory estimate (minigrpo/rl/memory.py) beside its measured peak; a run the
+estimate says would not fit stops at start, and its one-line message is the result (`refused`).
+
 Data parallel (issue 6's scaling table): under `torchrun --nproc-per-node N` each rank rolls out
 --prompts prompts, so the per-GPU batch stays fixed and B = N x --prompts (`-- --parallel fsdp` for FSDP2).
-Rank 0 reports; step times, samples/s and tokens/s are over all ranks, `peak_mem_gb_per_rank` lists each
+Rank 0 reports; step times, samples/s and tokens/s are over all ranks, `peak_gb_per_rank` lists each
 rank's. --profile profiles one more step on every rank: the top kernels, the time in NCCL kernels and the
 time the GPU has no compute kernel running, to profile.txt (rank 0) and a Chrome trace per rank.
 """
@@ -22,6 +25,7 @@ time the GPU has no compute kernel running, to profile.txt (rank 0) and a Chrome
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -31,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
+from minigrpo.engine.decode import DecodeModel  # noqa: E402
 from minigrpo.rl import distributed  # noqa: E402
 from minigrpo.rl.trainer import Trainer  # noqa: E402
 
@@ -40,12 +45,15 @@ class StandInReward:
 
     def __init__(self, task):
         self.task = task
+        self.longest = 0  # the longest prompt the steps drew: the memory estimate's like-for-like input
 
     def __len__(self):
         return len(self.task)
 
     def prompt(self, i):
-        return self.task.prompt(i)
+        p = self.task.prompt(i)
+        self.longest = max(self.longest, len(p))
+        return p
 
     def score(self, i, completion_ids):
         return float(sum(completion_ids) % 2 == 0), False
@@ -63,11 +71,16 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
     # the full-logits flag goes last: it overrides a --logprob-chunk-size among the extra flags
     cli = train_cli.parse_args(flags + (["--compile", comp] if comp else []) + args.extra
                                + (["--logprob-chunk-size", "0"] if full_logits else []))
-    model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli)
-    backend = train_cli.build_backend(cli, model, tokenizer, task, None)
-    trainer = Trainer(cli.cfg, model, tokenizer, StandInReward(task), backend, out, tokenizer_dir=model_dir,
-                      dist=dist)
-    rows = [trainer.step() for _ in range(args.steps)]
+    model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli, dist)  # DoesNotFit: stops at start
+    backend = train_cli.build_backend(cli, model, tokenizer, task, None, dist.world)
+    reward = StandInReward(task)
+    trainer = Trainer(cli.cfg, model, tokenizer, reward, backend, out, tokenizer_dir=model_dir, dist=dist)
+    pool = getattr(backend, "kv", None)  # the engine's KV pool, resident through the update
+    kv_gb = sum(t.numel() * t.element_size() for t in pool.k + pool.v) / 2**30 if pool else 0.0
+    rows = [dict(trainer.step(), kv_pool_gb=kv_gb) for _ in range(args.steps)]
+    # The estimate the start-up check made (for the data's longest prompt), and for the longest one drawn
+    estimates = [train_cli.memory_estimator(cli, model.config, task, None, dist.world, longest_prompt=n)(cli.cfg)
+                 for n in (None, reward.longest)]
     if args.profile:  # one more step under the profiler: where the time goes, GPU kernels vs host
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -88,7 +101,7 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
     del trainer, backend, model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return rows
+    return rows, estimates
 
 
 def compute_idle_s(prof) -> float:
@@ -108,6 +121,34 @@ def compute_idle_s(prof) -> float:
     return (max(b for _, b in spans) - spans[0][0] - busy) / 1e6
 
 
+KEYS = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_sync", "time_step", "rollout_tokens_per_s",
+        "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb", "trained_rows", "loss", "kl", "clip_frac",
+        "grad_norm", "logp_diff_mean", "logp_diff_max", "mismatch_kl", "tis_weight_mean", "tis_ratio_max",
+        "tis_capped_frac", "compiled_graphs", "compile_s", "completion_len_mean", "kv_pool_gb")
+
+
+def summary(rows: list[dict], estimates, dist: distributed.Dist, samples: int) -> dict:
+    """The last step's metrics, the fastest step after the first that compiled nothing, each step's times, and
+    the memory estimate against the measured peak: for the data's longest prompt (what the start-up check
+    used) and, like for like, for the longest prompt the steps drew (estimate_error). samples: completions
+    per step over all ranks; every rank's peak in peak_gb_per_rank (a collective: every rank calls this)."""
+    last, (estimate, drawn) = rows[-1], estimates
+    row = {k: last[k] for k in KEYS if k in last}
+    row.update(rollout_share=last["time_rollout"] / last["time_step"], world=dist.world)
+    peak = max(r.get("peak_mem_gb", 0.0) for r in rows)
+    row["peak_gb_per_rank"] = [round(x, 2) for x in dist.gather(torch.tensor([peak])).tolist()]
+    row.update(peak_gb=peak, estimate_gb=estimate.total / 2**30, estimate_drawn_gb=drawn.total / 2**30,
+               estimate_error=drawn.total / 2**30 / peak - 1 if peak else None, estimate_terms=str(drawn))
+    graphs = [r.get("compiled_graphs", 0) for r in rows]
+    warm = [r["time_step"] for i, r in enumerate(rows) if i and graphs[i] == graphs[i - 1]]
+    row["warm_step_s"] = min(warm) if warm else None
+    row["median_warm_step_s"] = sorted(warm)[len(warm) // 2] if warm else None
+    row["samples_per_s"] = samples / row["median_warm_step_s"] if warm else None
+    row["every_step"] = [{k: round(r[k], 3) for k in KEYS if k in r and (k.startswith("time") or k in ("compiled_graphs", "compile_s"))}
+                         for r in rows]
+    return row
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True)
@@ -121,35 +162,27 @@ def main():
     p.add_argument("--full-logits", action="store_true",
                    help="also one run with full logits (--logprob-chunk-size 0: the naive log_softmax)")
     p.add_argument("--profile", action="store_true", help="profile one extra step (profile.txt in each run's folder)")
+    p.add_argument("--engine-copy", action="store_true",
+                   help="the engine keeps a copy of the weights, synced after each update, even where it could share "
+                        "the policy's memory (--weights bf16 on CUDA): the behaviour before sharing, to compare")
     p.add_argument("extra", nargs="*", help="more train.py flags (after --)")
     args = p.parse_args()
+    if args.engine_copy:
+        DecodeModel.load_from = functools.partialmethod(DecodeModel.load_from, share=False)
     dist, args.device = distributed.init_from_env(args.device)  # torchrun: one GPU per rank
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
-    keys = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_sync", "time_step",
-            "rollout_tokens_per_s", "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb",
-            "trained_rows", "loss", "kl", "clip_frac", "grad_norm", "logp_diff_mean", "logp_diff_max",
-            "mismatch_kl", "tis_weight_mean", "tis_ratio_max", "tis_capped_frac", "compiled_graphs",
-            "completion_len_mean")
     result = {}
     runs = [(a, False) for a in args.attn.split(",") if a] + ([(args.full_logits_attn, True)] if args.full_logits else [])
     for attn, full in runs:
         name = (f"{attn}_full_logits" if full else attn).replace(":", "_compile_")
-        rows = run(attn, args, full, out / f"train_{name}", dist)
-        last = rows[-1]
-        row = {k: last[k] for k in keys if k in last}
-        row["rollout_share"] = last["time_rollout"] / last["time_step"]
-        row["world"] = dist.world
-        warm = sorted(r["time_step"] for r in rows[2:]) or [last["time_step"]]  # steps 1-2 compile
-        row["median_warm_step_s"] = warm[len(warm) // 2]
-        row["samples_per_s"] = 8 * args.prompts * dist.world / row["median_warm_step_s"]
-        row["peak_mem_gb_per_rank"] = [round(x, 2) for x in
-                                       dist.gather(torch.tensor([last["peak_mem_gb"]], device=args.device)).tolist()]
-        row["every_step"] = [{k: round(r[k], 3) for k in keys if k in r and (k.startswith("time") or k == "compiled_graphs")}
-                            for r in rows]
-        result[name] = row
+        try:
+            rows, estimates = run(attn, args, full, out / f"train_{name}", dist)
+            result[name] = summary(rows, estimates, dist, samples=8 * args.prompts * dist.world)
+        except train_cli.DoesNotFit as e:  # the memory check stopped it at start: that line is the result
+            result[name] = {"refused": str(e)}
         if dist.is_main:
-            print(name, json.dumps(row), flush=True)
+            print(name, json.dumps(result[name]), flush=True)
             (out / "train_step.json").write_text(json.dumps(result, indent=1))  # after each run: partial results survive
     distributed.shutdown(dist, together=True)
 

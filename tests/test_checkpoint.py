@@ -57,6 +57,31 @@ def test_save_replaces_an_existing_checkpoint_atomically(tmp_path):
     assert torch.equal(load_model(tmp_path / "ckpt", torch.float32).model.norm.weight, second.model.norm.weight)
 
 
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_policy_sharing_the_engines_memory_saves_and_loads_hf_named_tensors(tmp_path, tied):
+    # Shared with the engine, the policy's parameters are views of its fused buffers (engine/decode.py):
+    # saved, they must still be HF-named tensors with their own values (safetensors takes views that do not
+    # overlap); loaded, they must land in the shared memory, where the engine reads them.
+    from minigrpo.engine.config import EngineConfig
+    from minigrpo.engine.engine import Engine
+
+    cfg = tiny_config(tied=tied)
+    model = random_model(cfg, seed=4, std=0.2)
+    engine = Engine(cfg, EngineConfig(max_batch=8, max_seq_len=32), device="cpu", dtype=torch.float32)
+    engine.load_weights(model)
+    assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == engine.model.w_qkv.data_ptr()  # shared
+    save_model(model, tmp_path / "ckpt")
+    stored = load_file(tmp_path / "ckpt" / "model.safetensors")
+    names = {k for k in random_model(cfg).state_dict() if not (tied and k == "lm_head.weight")}
+    assert stored.keys() == names
+    assert all(torch.equal(stored[k], v) for k, v in model.state_dict().items() if k in names)
+
+    other = random_model(cfg, seed=5, std=0.2)
+    model.load_state_dict(other.state_dict())  # how a resume loads a checkpoint (run/checkpoints.py)
+    assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == engine.model.w_qkv.data_ptr()
+    assert torch.equal(engine.model.w_gate_up[1, cfg.intermediate_size:], other.model.layers[1].mlp.up_proj.weight)
+
 # --- bad input: each error names the problem ---------------------------------------------------------------
 
 @pytest.fixture

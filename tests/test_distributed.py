@@ -1,8 +1,9 @@
 """Data-parallel training (torchrun, 2 CPU ranks, gloo) equals the single-process run, and resumes exactly.
 
 The 2-rank runs are `torchrun --standalone` subprocesses of train.py (the real launch path: process group
-from torchrun's environment, DDP update, rank-0 checkpoints); the single-process reference runs in this
-process on the same smoke task, prompts and per-sequence seeds. Scenario (seed 2, B=4, G=8): step 1 trains
+from torchrun's environment, DDP update, rank-0 checkpoints), generating with the engine on weights it shares
+with DDP's parameters; the single-process reference runs in this process on the same smoke task, prompts and
+per-sequence seeds, generating with the reference generator. Scenario (seed 2, B=4, G=8): step 1 trains
 groups on both ranks, step 2 has no trainable group on rank 1, so rank 1 must join DDP's all-reduces with
 zero-weight stand-in backwards; minibatches of 8 rows and micro-batches of 3 give the ranks different
 numbers of micro-batches (and none at all) per optimizer step.
@@ -30,7 +31,7 @@ from minigrpo.rl.trainer import Trainer  # noqa: E402
 
 ARGS = ["--preset", "smoke", "-B", "4", "-G", "8", "--minibatch-size", "8", "--micro-batch-size", "3", "-K", "2",
         "--steps", "2", "--save-every", "1", "--keep-checkpoints", "0", "--eval-every", "0", "--sample-every", "0",
-        "--seed", "2"]
+        "--seed", "2", "--attn", "sdpa"]  # the engine, sharing the fp32 policy's memory (engine/decode.py)
 # Parameter tolerance, fp32: 1% of one AdamW step (lr 1e-3). The 2-rank gradient differs from the 1-rank one
 # only by summation order (~1e-11 here), but AdamW divides by sqrt(v) + eps, so on an entry whose gradient is
 # ~0 (k_proj.bias: softmax is shift-invariant, its exact gradient vanishes) that rounding moves the parameter

@@ -167,3 +167,41 @@ def test_padded_prefill_equals_unpadded(model):
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # fp32: a taller GEMM may block differently
     assert [tuple(x.shape) for x in padded] == [(4, 16), (4,), (4, 16)] and padded[1].tolist() == [11, 4, 7, 1]
+
+
+def test_engine_shares_the_policys_memory_and_follows_its_updates_without_a_sync(prompts):
+    # Shared weights (the policy in the engine's dtype): the policy's parameters live in the engine's fused
+    # buffers, so an optimizer step is the engine's too. A private copy instead would sample the old policy.
+    policy = random_model(CFG, seed=1, std=0.2)
+    engine = make_engine(policy, attn="sdpa")
+    weights = [b for name, b in engine.model.named_buffers() if name not in ("cos", "sin")]
+    storages = {p.untyped_storage().data_ptr() for p in policy.parameters()}
+    assert storages <= {b.untyped_storage().data_ptr() for b in weights}  # every parameter in the engine's memory
+    assert sum(p.numel() for p in policy.parameters()) == sum(b.numel() for b in weights)  # no second copy
+    a = policy.model.layers[1].self_attn
+    assert a.k_proj.weight.data_ptr() == engine.model.w_qkv[1, a.q_proj.out_features].data_ptr()  # fused rows
+    assert dict(policy.named_parameters()).keys() == dict(random_model(CFG).named_parameters()).keys()
+
+    params, seeds = SamplingParams(temperature=1.0), list(range(len(prompts) * G))
+    before = engine.generate(prompts, G, 8, params, stop_ids=STOP, seeds=seeds)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    policy(torch.tensor([prompts[0]])).logsumexp(-1).mean().backward()
+    optimizer.step()
+    after = engine.generate(prompts, G, 8, params, stop_ids=STOP, seeds=seeds)  # no load_weights in between
+    ref = reference(policy, prompts, params, seeds, new=8)
+    assert after.tokens == ref.tokens
+    assert max(abs(x - y) for r, s in zip(after.logprobs, ref.logprobs) for x, y in zip(r, s)) < 1e-4
+    assert max(abs(x - y) for r, s in zip(after.logprobs, before.logprobs) for x, y in zip(r, s)) > 1e-2
+
+
+def test_a_policy_in_another_dtype_is_copied_not_shared():
+    # fp32 master weights with a bf16 engine, here bf16 with an fp32 one: a cast copy, synced by load_weights.
+    policy = random_model(CFG, seed=1, std=0.2, dtype=torch.bfloat16)
+    engine = make_engine(policy, attn="sdpa")
+    assert all(p.dtype == torch.bfloat16 for p in policy.parameters())
+    assert torch.equal(engine.model.w_qkv[0, :CFG.hidden_size], policy.model.layers[0].self_attn.q_proj.weight.float())
+    with torch.no_grad():
+        policy.model.norm.weight.mul_(2)
+    assert not torch.equal(engine.model.norm, policy.model.norm.weight.float())  # a private copy
+    engine.load_weights(policy)
+    assert torch.equal(engine.model.norm, policy.model.norm.weight.float())

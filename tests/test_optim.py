@@ -167,7 +167,7 @@ def test_bf16_micro_batch_gradients_are_summed_in_fp32():
     model.w = torch.nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16))
     sync = GradSync(model, lambda m, grad: (m.w * grad).sum(), Dist())      # d loss / d w = grad, exactly
     for u, grad in enumerate(grads):
-        with sync.accumulate(last=u == 15):
+        with sync.accumulate(first=u == 0, last=u == 15):
             sync(grad).backward()
     exact = torch.stack([x.double() for x in grads]).sum(0)
     first15 = torch.stack([x.double() for x in grads[:15]]).sum(0)
@@ -198,3 +198,21 @@ def test_grouping_small_tensors_changes_no_rounding():
                                opt.state[w]["exp_avg_sq"].view(-1)]) for w in ws])
     for other in out[1:]:
         assert all(torch.equal(a, b) for a, b in zip(out[0], other))
+
+def test_two_bf16_micro_batch_gradients_need_no_fp32_sum():
+    # bf16 addition computes in fp32 and rounds once, so the sum of two bf16 gradients is already the exact sum
+    # rounded once: no fp32 buffer (4 bytes per parameter) is made, and the result is that single rounding.
+    from minigrpo.rl.distributed import Dist, GradSync
+
+    g = torch.Generator().manual_seed(0)
+    grads = [(64 + 64 * torch.rand(4096, generator=g)).bfloat16(),
+             (0.1 + 0.14 * torch.rand(4096, generator=g)).bfloat16()]
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16))
+    sync = GradSync(model, lambda m, grad: (m.w * grad).sum(), Dist())
+    with sync.accumulate(first=True, last=False):
+        sync(grads[0]).backward()
+    assert not sync._sums and model.w.grad.dtype == torch.bfloat16
+    with sync.accumulate(first=False, last=True):
+        sync(grads[1]).backward()
+    assert torch.equal(model.w.grad, (grads[0].float() + grads[1].float()).bfloat16())

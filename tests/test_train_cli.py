@@ -1,9 +1,11 @@
-"""train.py and `python -m minigrpo.rl.evaluate` as a user runs them: subprocesses, exit codes, files, messages."""
+"""train.py and `python -m minigrpo.rl.evaluate` as a user runs them: subprocesses, exit codes, files, messages
+(and train.main in this process where a test pretends the GPU's free memory)."""
 
 import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,39 @@ def test_standalone_evaluation(tmp_path, tiny_qwen_dir):
     assert "greedy accuracy 0.0000 on 3 GSM8K test examples" in proc.stdout  # a random model is never right
     rows = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert len(rows) == 3 and {"question", "ground_truth", "completion", "correct"} <= set(rows[0])
+
+
+def test_a_run_that_would_not_fit_stops_at_start_naming_a_setting_that_does(tmp_path, tiny_qwen_dir, monkeypatch,
+                                                                            capsys):
+    """train.main in this process, its free memory pretended (train.free_memory; None on a CPU, no check):
+    between the lean setting's estimate and the default's, the default stops before loading the model, with
+    one line naming flags; with those flags the same run starts and trains."""
+    sys.path.insert(0, str(REPO))
+    import train
+    from minigrpo.model.config import ModelConfig
+    from minigrpo.model.tokenizer import Tokenizer
+    from minigrpo.tasks.gsm8k import load_gsm8k
+    from minigrpo.tasks.task import GSM8KTask
+
+    path = _small_train_file(tmp_path)
+    argv = ["--model-dir", str(tiny_qwen_dir), "--train-data", str(path), "--eval-every", "0", "--device", "cpu",
+            "--attn", "sdpa", "-B", "2", "-G", "2", "--max-new-tokens", "3", "--steps", "1", "--save-every", "0"]
+    args = train.parse_args(argv)
+    task = GSM8KTask(load_gsm8k("train", path), Tokenizer.from_dir(tiny_qwen_dir))
+    peak = train.memory_estimator(args, ModelConfig.from_json(tiny_qwen_dir), task, None)
+    lean = replace(args.cfg, weights="bf16", activation_checkpointing=True, logprob_chunk_size=256)
+    free = int(peak(lean).total * (1 + train.MEMORY_MARGIN)) + 1
+    assert peak(args.cfg).total * (1 + train.MEMORY_MARGIN) > free
+    monkeypatch.setattr(train, "free_memory", lambda device: free)
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the memory check stopped the run")
+    with monkeypatch.context() as patch:
+        patch.setattr("minigrpo.model.checkpoint.load_model", no_load)
+        assert train.main([*argv, "--out", str(tmp_path / "a")]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("error: this run needs about ") and "cpu has" in last and " it fits with --" in last
+    flags = last.split(" it fits with ")[1].split(" (about ")[0].split()
+    assert train.main([*argv, *flags, "--out", str(tmp_path / "b")]) == 0
+    assert "memory: about " in capsys.readouterr().err
+    assert (tmp_path / "b" / "metrics.jsonl").read_text().count("\n") == 1

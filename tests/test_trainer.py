@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import QWEN_DIR, random_model, tiny_config
 
-from minigrpo.engine.rollout import ReferenceBackend
+from minigrpo.engine.rollout import ReferenceBackend, make_backend
 from minigrpo.model.generate import Rollout, generate
 from minigrpo.model.sampling import SamplingParams
 from minigrpo.rl.config import WEIGHT_DTYPES, TrainConfig, lr_factor
@@ -16,7 +16,7 @@ from minigrpo.rl.data import EpochSampler
 from minigrpo.rl.evaluate import evaluate
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.rl.trainer import Trainer
-from minigrpo.run.metrics import MetricsLogger
+from minigrpo.run.metrics import MetricsLogger, PhaseTimer
 from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
 
 STOP, PAD = 31, 0
@@ -112,13 +112,11 @@ def test_sequence_batch_layout_hand_made():
     assert sub.ids.tolist() == [[1, 2, 4, STOP]] and sub.C == 2 and sub.mask.tolist() == [[1, 1]]
     sub = batch.select([1])
     assert sub.ids.tolist() == [[3, 5, 6, 7]] and sub.score_index.tolist() == [[0, 1, 2]]
-    # padded to static shapes (a compiled policy): 3 rows, T a multiple of 3; the empty row has mask 0
-    sub = batch.select([1], n_rows=3, col_multiple=3)
-    assert sub.ids.tolist() == [[3, 5, 6, 7, 0, 0], [0] * 6, [0] * 6]
+    # padded with empty rows (a compiled policy's single row): mask 0, never more rows than asked for
+    sub = batch.select([1], n_rows=3)
+    assert sub.ids.tolist() == [[3, 5, 6, 7], [0] * 4, [0] * 4]
     assert sub.mask.tolist() == [[1, 1, 1], [0, 0, 0], [0, 0, 0]] and sub.prompt_lens == [1, 1, 1]
-    assert sub.score_index.tolist()[0] == [0, 1, 2]
-    with pytest.raises(ValueError, match="cannot pad 2 rows down to 1"):
-        batch.select([0, 1], n_rows=1)
+    assert sub.score_index.tolist()[0] == [0, 1, 2] and len(batch.select([0, 1], n_rows=1).prompt_lens) == 2
 
 
 def test_sequence_batch_scores_the_next_token():
@@ -190,6 +188,25 @@ def test_only_informative_groups_are_forwarded_and_the_gradient_is_the_full_batc
 
     for name, want in _full_batch_gradient(initial, trainer, prompts)[0].items():
         torch.testing.assert_close(grads[name], want, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_micro_batches_group_rows_of_about_one_length(tmp_path):
+    # 8 informative rows of total lengths 8, 7, 6, 5, 4, 4, 3, 2 in micro-batches of 2: sorted, each pair pads
+    # to its longer row (8, 6, 4, 3 columns); in the shuffled order they pad to 8, 3, 5, 7. The gradient stays
+    # the full minibatch's (the test above); here only the grouping.
+    model = random_model(tiny_config(tied=False, vocab=32), seed=3, std=0.1).train()
+    script = {4: [[10], [11, STOP], [10, 13, 14, 15, STOP], [12, 13, 14, 15, 16, STOP]],
+              6: [[13], [10, 10, STOP], [14, 15, 16, STOP], [10, 16, 17, 18, STOP]]}
+    trainer, _ = _trainer(model, script, [[4, 5], [6]], tmp_path, micro_batch_size=2)
+    widths, inner = [], model.hidden_states
+
+    def record(ids, *args, **kwargs):
+        widths.append(ids.shape[1])
+        return inner(ids, *args, **kwargs)
+
+    model.hidden_states = record
+    trainer.step()
+    assert widths == [8, 6, 4, 3]
 
 
 def _row_logprobs(model, prompt, completion) -> torch.Tensor:
@@ -283,14 +300,15 @@ def test_several_minibatches_score_the_old_policy_in_a_separate_pass(tmp_path):
 # ------------------------------------------------------------------------------------------ learning and resume
 
 
-def _synthetic_trainer(out_dir, **overrides):
+def _synthetic_trainer(out_dir, attn="reference", **overrides):
     tokenizer = CharTokenizer()
     cfg = TrainConfig(**{"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": 3, "lr": 1e-3,
                          "micro_batch_size": 128, "eval_every": 0, "sample_every": 0, "save_every": 0,
                          "steps": 150, **overrides})
     model = tiny_policy(tokenizer.vocab_size, seed=0).to(WEIGHT_DTYPES[cfg.weights])
     task = FirstDigitTask(tokenizer, 10_000, seed=0)
-    return Trainer(cfg, model, tokenizer, task, ReferenceBackend(model, tokenizer.pad_id), out_dir, echo=False)
+    backend = make_backend(attn, model, pad_id=tokenizer.pad_id, max_seq_len=16)  # an engine shares fp32 weights
+    return Trainer(cfg, model, tokenizer, task, backend, out_dir, echo=False)
 
 
 @pytest.mark.slow
@@ -313,26 +331,30 @@ def _comparable(m):
     return {k: v for k, v in m.items() if not any(t in k for t in _TIMING)}
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, weights):
+@pytest.mark.parametrize("weights, attn", [("fp32", "reference"), ("bf16", "reference"), ("fp32", "sdpa")])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, weights, attn):
     # Multiple inner epochs, shuffled minibatches, warmup + cosine, KL to a reference: every piece of state;
-    # with bf16 weights also the stochastic rounding's random bits.
+    # with bf16 weights also the stochastic rounding's random bits; with the engine (sdpa), weights it shares.
+    if attn != "reference":
+        pytest.importorskip("minigrpo.engine.engine", reason="the fast engine is not available")
     cfg = dict(steps=4, inner_epochs=2, minibatch_size=32, micro_batch_size=16, warmup_steps=2,
                lr_schedule="cosine", kl_beta=0.05, lr=3e-3, weights=weights)
-    full = _synthetic_trainer(tmp_path / "full", **cfg)
+    full = _synthetic_trainer(tmp_path / "full", attn, **cfg)
     expected = [full.step() for _ in range(4)]
 
-    first = _synthetic_trainer(tmp_path / "split", **cfg)
+    first = _synthetic_trainer(tmp_path / "split", attn, **cfg)
     first.step(), first.step()
     ckpt = first.save()
     torch.manual_seed(123)  # disturb the global RNGs: the resumed run must not depend on them
-    second = _synthetic_trainer(tmp_path / "split", **cfg)
+    second = _synthetic_trainer(tmp_path / "split", attn, **cfg)
     second.resume(tmp_path / "split")
     assert second.step_idx == 2
     resumed = [second.step(), second.step()]
     assert [_comparable(m) for m in resumed] == [_comparable(m) for m in expected[2:]]
     for name, w in full.model.state_dict().items():
         assert torch.equal(second.model.state_dict()[name], w), name
+    if attn != "reference":  # the checkpoint was loaded into the memory the engine reads
+        assert second.model.model.norm.weight.data_ptr() == second.backend.model.norm.data_ptr()
 
     if weights == "bf16":  # the moments stay bf16, and the weights really moved
         assert all(v["exp_avg"].dtype == torch.bfloat16 for v in second.optimizer.state.values())
@@ -383,24 +405,24 @@ def test_keep_checkpoints_prunes_old_ones(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000003"]
 
 
-@pytest.mark.parametrize("attn", ["sdpa"])
-def test_engine_backend_agrees_with_the_reference_and_is_synced_after_updates(tmp_path, attn):
+@pytest.mark.parametrize("share", [True, False])
+def test_engine_backend_agrees_with_the_reference_and_follows_updates(tmp_path, share):
     pytest.importorskip("minigrpo.engine.engine", reason="the fast engine is not available")
-    from minigrpo.engine.rollout import make_backend
-
-    reference = _synthetic_trainer(tmp_path / "ref", lr=1e-2)
-    engine = _synthetic_trainer(tmp_path / "engine", lr=1e-2)
-    engine.backend = make_backend(attn, engine.model, pad_id=engine.pad_id, max_seq_len=16)
-    for _ in range(3):  # after step 1 the engine only agrees if load_weights copied the updated policy
-        reference.step()
-        b = engine.step()
+    reference = _synthetic_trainer(tmp_path / "ref", lr=1e-2, kl_beta=0.05)
+    engine = _synthetic_trainer(tmp_path / "engine", "sdpa", lr=1e-2, kl_beta=0.05)
+    if not share:  # the copy path (fp32 master weights with a bf16 engine): a private copy, synced after updates
+        backend = engine.backend = make_backend("sdpa", copy.deepcopy(engine.model), pad_id=engine.pad_id,
+                                                max_seq_len=16)
+        backend.load_weights = lambda model: backend.model.load_from(model, share=False)
+    for _ in range(3):  # after step 1 the engine only agrees if it samples the updated policy
+        a, b = reference.step(), engine.step()
         assert engine.last_rollout == reference.last_rollout  # same seeds -> same completions
         assert b["logp_diff_max"] <= 1e-4
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-3)  # the KL anchor is a copy, not the shared weights
 
 
 def test_make_backend_sizes_the_engine_to_the_rollout_and_picks_cpu_defaults():
     pytest.importorskip("minigrpo.engine.engine", reason="the fast engine is not available")
-    from minigrpo.engine.rollout import make_backend
     model = tiny_policy(CharTokenizer().vocab_size, seed=0)
     engine = make_backend("sdpa", model, pad_id=0, max_seq_len=40, max_batch=24)
     assert (engine.cfg.compile, engine.cfg.cuda_graphs, engine.cfg.sampler) == ("none", False, "torch")
@@ -468,6 +490,17 @@ def test_metrics_log_and_resume_truncation(tmp_path):
         log.log({"step": s, "reward_mean": s / 10})
     MetricsLogger(tmp_path, resume_step=2, echo=False)  # the run is resumed from step 2's checkpoint
     assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_phase_timer_counts_the_seconds_spent_compiling():
+    # A compile is counted once, with the backward graph compiled at its first use; a cached call costs nothing.
+    timer = PhaseTimer(torch.device("cpu"), ("a",))
+    f = torch.compile(lambda x: (x * 2).sin().sum(), backend="aot_eager", dynamic=False)
+    x = torch.randn(3, requires_grad=True)
+    f(x).backward()
+    first = timer.compiling
+    f(x).backward()
+    assert first > 0 and timer.compiling == first
 
 
 def test_tensorboard_logs_or_says_how_to_install_it(tmp_path):
@@ -542,38 +575,53 @@ def test_compiled_policy_trains_like_the_eager_one(tmp_path):
     # a sum of n terms, a few 1e-6 of the gradient's norm after a backward through the tiny model. 1e-4 is
     # far above that and far below what a real difference makes (a wrong mask, row, scale or padding changes
     # the gradient by O(1) of its norm).
+    # Compiled with activation checkpointing too: the recomputation is compiled into the layer's backward.
     cfg = dict(steps=1, inner_epochs=2, micro_batch_size=32, kl_beta=0.05, lr=3e-3)
     runs = []
-    for compiled in (False, True):
-        trainer = _synthetic_trainer(tmp_path / str(compiled), compile_policy=compiled, **cfg)
+    for compiled, ckpt in ((False, False), (True, False), (True, True)):
+        trainer = _synthetic_trainer(tmp_path / f"{compiled}{ckpt}", compile_policy=compiled,
+                                     activation_checkpointing=ckpt, **cfg)
         grads = _record_gradients(trainer)
         runs.append((trainer.step(), grads))
     assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in trainer.model.model.layers)
-    (eager, eager_grads), (compiled, compiled_grads) = runs
-    for key in ("loss", "kl", "entropy", "grad_norm", "logp_diff_mean"):
-        assert compiled[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-7), key
-    assert len(eager_grads) == len(compiled_grads) == 2  # one optimizer step per epoch
-    for got, want in zip(compiled_grads, eager_grads):
-        assert got.keys() == want.keys()  # same names: compiling in place keeps them
-        _assert_gradients_close(got, want, rtol=1e-4)
+    (eager, eager_grads), *compiled_runs = runs
+    for compiled, compiled_grads in compiled_runs:
+        for key in ("loss", "kl", "entropy", "grad_norm", "logp_diff_mean"):
+            assert compiled[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-7), key
+        assert len(eager_grads) == len(compiled_grads) == 2  # one optimizer step per epoch
+        for got, want in zip(compiled_grads, eager_grads):
+            assert got.keys() == want.keys()  # same names: compiling in place keeps them
+            _assert_gradients_close(got, want, rtol=1e-4)
 
 
-def test_a_compiled_policy_compiles_every_length_bucket_and_never_falls_back_silently(monkeypatch):
-    # A 2,048-token budget needs ~72 graphs of the one decoder-layer code object, past Dynamo's default limit
-    # of 8, after which it would run new shapes eager without a word. With 640 positions: 10 buckets x 2.
+def test_compiled_layers_serve_every_batch_shape_with_one_graph_per_grad_mode(monkeypatch):
+    # hidden_states marks the batch and length dimensions dynamic, so a run compiles its decoder layer once per
+    # grad mode whatever the micro-batch shapes; with static shapes it was a graph per length bucket, 8-12 s
+    # each on the H200. Past RECOMPILE_LIMIT graphs Dynamo raises instead of running eager without a word.
     import torch._dynamo
 
-    from minigrpo.rl.trainer import _allow_every_length_bucket
+    from minigrpo.rl.trainer import RECOMPILE_LIMIT, _fail_past_recompile_limit
 
     for name in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit"):
         monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))  # restored after
-    _allow_every_length_bucket(640)
+    _fail_past_recompile_limit()
     torch._dynamo.reset()
+    model = random_model(tiny_config(), seed=0)
+    for layer in model.model.layers:
+        layer.compile(backend="eager")
+    counters = torch._dynamo.utils.counters["stats"]
+    graphs = counters["unique_graphs"]
+    shapes = [(2, 5), (3, 9), (7, 4), (2, 17), (6, 6)]
+    with torch.no_grad():
+        for B, T in shapes:
+            model.hidden_states(torch.randint(0, 256, (B, T)))
+    assert counters["unique_graphs"] - graphs == 1
+    for B, T in shapes:  # with grad and activation checkpointing: one more graph
+        model.hidden_states(torch.randint(0, 256, (B, T)), checkpoint_layers=True).sum().backward()
+    assert counters["unique_graphs"] - graphs == 2
     layer = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for n in range(1, 21):  # 20 shapes: every one compiled
+    for n in range(1, RECOMPILE_LIMIT + 1):
         layer(torch.ones(n))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 20
-    with pytest.raises(Exception, match="recompile_limit"):  # the 21st is an error, not a quiet eager run
-        layer(torch.ones(21))
+    with pytest.raises(Exception, match="recompile_limit"):  # one graph too many is an error, not a quiet eager run
+        layer(torch.ones(RECOMPILE_LIMIT + 1))
     torch._dynamo.reset()

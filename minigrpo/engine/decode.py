@@ -1,9 +1,11 @@
 """The inference side of the model: packed bf16 weights, batched prefill, and the decode step.
 
-The engine keeps its own copy of the weights, laid out for inference: q/k/v fused into one matmul and
-gate/up into another, stacked over layers. The trainer's policy (fp32 master weights, HF layout) is
-copied in with `load_from` after each update; the copy writes into the same buffers every time, so
-captured CUDA graphs, which hold buffer addresses, stay valid.
+The engine's weights are laid out for inference: q/k/v fused into one matmul and gate/up into another,
+stacked over layers. `load_from` shares them with the trainer's policy when its parameters have the
+engine's dtype and device (`--weights bf16` on CUDA): each parameter becomes a view of the slice that
+holds it, so the optimizer updates the engine in place and there is nothing to copy or sync. Otherwise
+(fp32 master weights, sharded parameters) it copies and casts after each update. The buffers never move,
+so captured CUDA graphs, which hold buffer addresses, stay valid.
 
 `decode_step` is the unit that gets compiled and captured: embed -> layers (norm, qkv, RoPE + KV store,
 paged attention, o_proj, MLP) -> final norm -> LM head -> sampling -> per-slot bookkeeping. Every input
@@ -31,7 +33,8 @@ from minigrpo.model.sampling import SAMPLE_CHUNK, SamplingParams, sample
 
 
 class DecodeModel(nn.Module):
-    """Inference weights (buffers, not parameters: nothing here is ever differentiated)."""
+    """Inference weights (buffers, not parameters: the engine never differentiates them; a policy sharing
+    them holds its own Parameters on the same memory)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int):
         super().__init__()
@@ -58,24 +61,37 @@ class DecodeModel(nn.Module):
         self.register_buffer("sin", sin)  # (max_positions, D)
 
     @torch.no_grad()
-    def load_from(self, model: Qwen2ForCausalLM) -> None:
-        """Copy (and cast) the policy's weights into these buffers, in place, one tensor at a time. A weight
-        sharded over ranks (FSDP: a DTensor) is first gathered, by every rank at once, and its full copy freed
-        before the next: the policy never exists at full size beside these buffers."""
+    def load_from(self, model: Qwen2ForCausalLM, share: bool = True) -> None:
+        """Take the policy's weights: shared where possible (module doc), else copied (and cast), in place.
+
+        A parameter already shared is skipped, so once shared this costs a data-pointer check per parameter;
+        one replaced since (assigned, moved, or shared with another engine) is copied in and shared again."""
         assert model.config == self.cfg, "policy and engine were built for different configs"
-        m = model.model
-        pairs = [(self.embed, m.embed_tokens.weight), (self.norm, m.norm.weight)]
-        if not self.cfg.tie_word_embeddings:
-            pairs.append((self.lm_head, model.lm_head.weight))
+        pairs = self._views(model)
+        share = share and all(type(p.data) is torch.Tensor and (p.dtype, p.device) == (v.dtype, v.device)
+                              for p, v in pairs)  # a sharded (DTensor) parameter has no full tensor to view
+        for p, v in pairs:
+            if isinstance(p, DTensor):  # gathered by every rank at once, one at a time: never a second full model
+                v.copy_(p.full_tensor())
+            elif p.data_ptr() != v.data_ptr():
+                v.copy_(p)
+                if share:
+                    p.data = v  # the same Parameter (optimizer, hooks, names unchanged), on the engine's memory
+
+    def _views(self, model: Qwen2ForCausalLM) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(policy parameter, the view of these buffers that holds it), for every parameter of the policy."""
+        m, (q, k, _), Fw = model.model, self.qkv_sizes, self.cfg.intermediate_size
+        pairs = [(m.embed_tokens.weight, self.embed), (m.norm.weight, self.norm)]
+        if not self.cfg.tie_word_embeddings:  # tied: lm_head.weight is the embedding's Parameter
+            pairs.append((model.lm_head.weight, self.lm_head))
         for i, layer in enumerate(m.layers):
-            a, mlp = layer.self_attn, layer.mlp
-            pairs += zip(self.w_qkv[i].split(self.qkv_sizes), (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
-            pairs += zip(self.b_qkv[i].split(self.qkv_sizes), (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias))
-            pairs += zip(self.w_gate_up[i].chunk(2), (mlp.gate_proj.weight, mlp.up_proj.weight))
-            pairs += [(self.ln1[i], layer.input_layernorm.weight), (self.w_o[i], a.o_proj.weight),
-                      (self.ln2[i], layer.post_attention_layernorm.weight), (self.w_down[i], mlp.down_proj.weight)]
-        for buffer, weight in pairs:
-            buffer.copy_(weight.full_tensor() if isinstance(weight, DTensor) else weight)
+            a, mlp, w, b = layer.self_attn, layer.mlp, self.w_qkv[i], self.b_qkv[i]
+            pairs += [(layer.input_layernorm.weight, self.ln1[i]), (layer.post_attention_layernorm.weight, self.ln2[i]),
+                      (a.q_proj.weight, w[:q]), (a.k_proj.weight, w[q:q + k]), (a.v_proj.weight, w[q + k:]),
+                      (a.q_proj.bias, b[:q]), (a.k_proj.bias, b[q:q + k]), (a.v_proj.bias, b[q + k:]),
+                      (a.o_proj.weight, self.w_o[i]), (mlp.gate_proj.weight, self.w_gate_up[i, :Fw]),
+                      (mlp.up_proj.weight, self.w_gate_up[i, Fw:]), (mlp.down_proj.weight, self.w_down[i])]
+        return pairs
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, self.ln2[i], self.cfg.rms_norm_eps)

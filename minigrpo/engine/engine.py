@@ -1,7 +1,7 @@
 """The rollout engine: generates G completions for each of B prompts, fast, with explicit graph boundaries.
 
     engine = Engine(model_cfg, EngineConfig(attn="triton", compile="step", cuda_graphs=True), device="cuda")
-    engine.load_weights(policy)                       # after every optimizer step
+    engine.load_weights(policy)                       # after every optimizer step (free when shared)
     rollout = engine.generate(prompts, samples_per_prompt=8, max_new_tokens=256, params=..., seeds=...)
 
 How a rollout runs:
@@ -67,7 +67,8 @@ class Engine:
         return max(2, min(full, int(free * cfg.kv_memory_fraction) // per_page))
 
     def load_weights(self, model: Qwen2ForCausalLM) -> None:
-        """Refresh the engine's weights from the policy (in place: captured graphs stay valid)."""
+        """Generate with the policy's weights from now on: shared when the policy has the engine's dtype and
+        device (later updates need no call), else copied, in place (decode.py). Captured graphs stay valid."""
         self.model.load_from(model)
 
     def _pages_for(self, prompt_len: int, G: int, max_new: int) -> int:

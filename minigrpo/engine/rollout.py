@@ -3,7 +3,7 @@
 The trainer talks to a backend through two calls, the same ones `minigrpo.engine.engine.Engine` exposes:
 
     generate(prompts, samples_per_prompt, max_new_tokens, params, stop_ids, seeds) -> Rollout
-    load_weights(model)      # copy the policy's current weights into the backend (the "weight sync")
+    load_weights(model)      # the policy's current weights, after each update (the "weight sync")
 
 `seeds` holds one seed per completion (len(prompts) * samples_per_prompt), group-major like the result:
 with counter-based sampling a completion is a pure function of (weights, prompt, seed), so a rollout is
@@ -11,7 +11,9 @@ reproducible whatever the batch composition, and an exact resume needs no sample
 
 `ReferenceBackend` runs `minigrpo.model.generate.generate` on the policy module itself: no KV cache, slow and
 obviously correct, the CPU backend. Since it *is* the policy, there is nothing to sync. The fast engine
-(`--attn eager|sdpa|triton`) keeps its own bf16 copy of the weights, refreshed after every update.
+(`--attn eager|sdpa|triton`) shares the policy's memory when the policy is in the engine's dtype
+(`--weights bf16` on CUDA): its parameters become views of the engine's fused weights, so the sync is
+free. With fp32 master weights it keeps its own bf16 copy, refreshed after every update.
 """
 
 from __future__ import annotations

@@ -100,7 +100,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, recompute: bool = False):
+        """recompute: keep only the inputs for backward and run the layer again there (activation
+        checkpointing). Done here, inside the layer, so that a compiled layer compiles the recomputation into
+        its own backward graph: no separate recompute call, and the recomputed values never go to memory."""
+        if recompute:
+            return torch.utils.checkpoint.checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
+        return self._forward(x, cos, sin, mask)
+
+    def _forward(self, x, cos, sin, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -159,10 +167,12 @@ class Qwen2ForCausalLM(nn.Module):
         cfg = self.config
         x = self.model.embed_tokens(input_ids)                                            # (B, T, C)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)         # (B, T, D)
+        for t in (x, cos, sin):  # compiled layers (the trainer's): one graph for every B and T; eager: a no-op
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(t, 1)
         recompute = checkpoint_layers and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = (torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False) if recompute
-                 else layer(x, cos, sin, mask))
+            x = layer(x, cos, sin, mask, recompute)
         return self.model.norm(x)                                                         # (B, T, C)
 
     def forward(self, input_ids, attention_mask=None, positions=None) -> torch.Tensor:

@@ -49,11 +49,11 @@ class TrainConfig:
     sample_every: int = 10            # write a few decoded completions to samples.jsonl; 0 = never
     num_samples: int = 4
     seed: int = 0
-    logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: chunk x vocab x 4 bytes); 0 = full logits
+    logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: ~2 x chunk x vocab x 2 B); 0 = full logits
     activation_checkpointing: bool = False  # recompute layers in backward: far fewer activations, +1 forward
     weights: str = "fp32"             # fp32 master weights (+ bf16 autocast on CUDA), or bf16 (optim.py)
     compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference,
-                                      # with batches padded to static shapes (Trainer._select)
+                                      # batch and length dimensions dynamic: one graph per grad mode
     parallel: str = "ddp"             # the update under torchrun: DDP or FSDP2 (distributed.py); none alone
 
     @property

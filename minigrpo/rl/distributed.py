@@ -132,8 +132,7 @@ warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDP_Forward\) return
 def _fully_shard(module: _Forward, **root) -> _Forward:
     """FSDP2 units: each decoder layer, and the root (embedding, final norm and LM head, tied or not). The
     weights keep their dtype in the forward (fp32 master weights run under autocast, as with DDP); gradients
-    are summed over micro-batches and reduced in fp32 either way (reduce_dtype), and cast to the weights'
-    dtype once, after the reduce-scatter."""
+    are reduced in fp32 whatever the weights' dtype (reduce_dtype), then cast to it (GradSync)."""
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     for layer in module.model.model.layers:
         fully_shard(layer, mp_policy=policy)
@@ -151,20 +150,27 @@ class GradSync:
     """The policy's training forward, with gradient accumulation that reduces once per optimizer step.
 
     For each micro-batch, run `policy(batch)` and the backward of its loss (times `loss_scale`) inside
-    `policy.accumulate(last)`: only the last micro-batch's backward all-reduces (DDP's no_sync for the
-    others) or reduce-scatters (FSDP's set_requires_gradient_sync). Every rank makes the same backwards
-    (distributed.py's doc). With W = 1 this is the plain forward and plain backward, whatever `parallel`.
+    `policy.accumulate(first, last)`: only the last micro-batch's backward all-reduces (DDP's no_sync for
+    the others). FSDP reduce-scatters every micro-batch's fp32 gradient into the shards' fp32 gradients, the
+    least memory, except for bf16 weights, whose shards would sum in bf16: there it keeps the micro-batches'
+    fp32 sum whole (4 bytes per parameter, unsharded) until the last one (set_requires_gradient_sync).
+    Every rank makes the same backwards (distributed.py's doc). With W = 1 this is the plain forward and
+    plain backward, whatever `parallel`.
 
-    bf16 parameters (`--weights bf16`) sum their micro-batch gradients in fp32: summed in bf16, each
+    bf16 parameters (`--weights bf16`) sum three or more micro-batch gradients in fp32: summed in bf16, each
     addition would round to 8 significant bits of the running sum, and a micro-batch small against the
-    sum so far would be lost. FSDP does so itself (`_fully_shard`). Otherwise, as each gradient lands, a
-    hook moves it into an fp32 sum (4 bytes per parameter in place of the 2 of a bf16 gradient); the last
-    micro-batch's backward adds to that sum rounded to bf16, and DDP all-reduces the result. So the
-    gradient is the exact sum up to two bf16 roundings, whatever the number of micro-batches.
+    sum so far would be lost. FSDP sums in fp32 itself (above). Otherwise, from the second
+    micro-batch of three or more on, the gradients live in an fp32 sum (4 bytes per parameter in place of
+    the 2 of a bf16 gradient): the first one's moves there, and a hook moves each later one there as it
+    lands. The last micro-batch's backward adds to that sum rounded to bf16, and DDP all-reduces the result.
+    So the gradient is the exact sum up to two bf16 roundings, whatever the number of micro-batches. Two
+    micro-batches need no fp32 sum: bf16 addition rounds the exact sum of two bf16 numbers once, so the
+    second backward simply adds to the first's gradient.
     """
 
     def __init__(self, model: torch.nn.Module, fn, dist: Dist, parallel: str = "ddp"):
         self.dist, self.sharded = dist, parallel == "fsdp" and dist.world > 1
+        self._bf16_weights = next(model.parameters()).dtype == torch.bfloat16
         module = _Forward(model, fn)
         if self.sharded:  # replaces the parameters by their shards (DTensors): build the optimizer after this
             self.module = _fully_shard(module)
@@ -172,9 +178,10 @@ class GradSync:
             self.module = DistributedDataParallel(module) if dist.world > 1 else module
         self._sums: dict[torch.nn.Parameter, torch.Tensor] = {}  # fp32 sums of this step's earlier micro-batches
         self._summing = False
-        for p in model.parameters():
-            if p.requires_grad and p.dtype == torch.bfloat16 and not self.sharded:
-                p.register_post_accumulate_grad_hook(self._add_to_fp32_sum)
+        self._bf16 = [p for p in model.parameters()
+                      if p.requires_grad and p.dtype == torch.bfloat16 and not self.sharded]
+        for p in self._bf16:
+            p.register_post_accumulate_grad_hook(self._add_to_fp32_sum)
 
     def _add_to_fp32_sum(self, p: torch.nn.Parameter) -> None:
         if self._summing:
@@ -183,16 +190,19 @@ class GradSync:
             p.grad = None  # the next micro-batch's gradient lands alone, unrounded
 
     @contextlib.contextmanager
-    def accumulate(self, last: bool):
+    def accumulate(self, first: bool, last: bool):
         if self.sharded:
-            self.module.set_requires_gradient_sync(last)
+            self.module.set_requires_gradient_sync(last or not self._bf16_weights)
             yield
             return
-        if last:  # the last backward adds to the sum so far, then all-reduces
-            for p, total in self._sums.items():
-                p.grad = total.to(p.dtype)
-            self._sums.clear()
-        self._summing = not last
+        self._summing = not first and not last
+        if self._summing:  # a middle micro-batch: the first one's gradient moves into the fp32 sum
+            for p in self._bf16:
+                if p.grad is not None and p not in self._sums:
+                    self._sums[p], p.grad = p.grad.float(), None
+        while last and self._sums:  # the last backward adds to the sum so far, then all-reduces; each fp32
+            p, total = self._sums.popitem()  # sum is freed as its bf16 gradient is made (peak 4, not 6 B/param)
+            p.grad = total.to(p.dtype)
         try:
             with self.module.no_sync() if self.dist.world > 1 and not last else contextlib.nullcontext():
                 yield

@@ -17,6 +17,11 @@ slices outermost, so each slice of the weight gradient is summed in fp32 while i
 once in the weight's dtype. A token-chunk-only backward needs a (V, D) fp32 accumulator for the whole
 weight gradient (0.55 GB for Qwen2.5-0.5B) beside the result.
 
+Each chunk's softmax arithmetic (upcast, logsumexp, gather, entropy; in backward softmax minus one-hot) is
+a small function that torch.compile turns into one kernel on CUDA: it reads the matmul's bf16 output once
+or twice and keeps the fp32 values in registers. Run eagerly, those same ops move each (chunk, V) block
+through memory five or six times in fp32, several times the matmul's own time. The matmuls stay cuBLAS.
+
 Precision: the matmul runs in the input dtype (bf16 on GPU: tensor cores), its output is upcast to fp32
 before the softmax, and gradients are summed over blocks in fp32. Pass fp32 hidden/weight to get fully
 fp32 logits.
@@ -26,6 +31,8 @@ Shape legend:
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -37,11 +44,40 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = (h @ weight.T).to(_acc_dtype(h.dtype))  # (m, V)
-    if temperature != 1.0:
-        logits.div_(temperature)
-    return logits
+def _chunk_stats(raw: torch.Tensor, targets: torch.Tensor, temperature: float, want_entropy: bool):
+    """A chunk's logsumexp, target log-prob and entropy (or None), (m,) each, from its logits raw (m, V) in the
+    matmul's dtype."""
+    z = raw.to(_acc_dtype(raw.dtype)) / temperature                                  # (m, V)
+    lse = torch.logsumexp(z, dim=-1)                                                 # (m,)
+    z = z - lse[:, None]                                                             # (m, V) log-softmax
+    logp = z.gather(-1, targets[:, None]).squeeze(-1)                                # (m,)
+    # -sum p log p on log-probs directly: "lse - sum p z" cancels badly for peaked distributions
+    return lse, logp, -(z.exp() * z).sum(-1) if want_entropy else None
+
+
+def _chunk_grad(raw: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """d (g . logp) / d raw for one block, in raw's dtype: (onehot(target) - softmax) x g / temperature.
+
+    raw (m, v) holds the block's vocabulary columns; targets are offset into them (out of range: no one-hot)."""
+    p = torch.exp(raw.to(lse.dtype) / temperature - lse[:, None])                     # (m, v) softmax
+    onehot = torch.arange(raw.shape[1], device=raw.device) == targets[:, None]      # (m, v)
+    return ((onehot * g[:, None] - p * g[:, None]) / temperature).to(raw.dtype)
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn)
+
+
+def _fused(fn, raw: torch.Tensor, *args):
+    """fn, compiled into one kernel on CUDA (eager elsewhere: the same arithmetic). The token count varies
+    (the last chunk), so that dimension of every tensor argument is symbolic: one compile covers every chunk."""
+    if not raw.is_cuda:
+        return fn(raw, *args)
+    for t in (raw, *args):
+        if isinstance(t, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    return _compiled(fn)(raw, *args)
 
 
 class _ChunkedLogProb(torch.autograd.Function):
@@ -54,13 +90,10 @@ class _ChunkedLogProb(torch.autograd.Function):
         entropy = hidden.new_empty(M, dtype=acc) if want_entropy else None
         for s in range(0, M, chunk_size):
             e = min(s + chunk_size, M)
-            z = _chunk_logits(hidden[s:e], weight, temperature)  # (m, V)
-            lse[s:e] = torch.logsumexp(z, dim=-1)
-            z.sub_(lse[s:e, None])  # (m, V) log-softmax, in place
-            logp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1)
+            out = _fused(_chunk_stats, hidden[s:e] @ weight.T, targets[s:e], temperature, want_entropy)
+            lse[s:e], logp[s:e] = out[0], out[1]
             if want_entropy:
-                # -sum p log p on log-probs directly: "lse - sum p z" cancels badly for peaked distributions
-                entropy[s:e] = -z.exp().mul_(z).sum(-1)
+                entropy[s:e] = out[2]
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         if want_entropy:
@@ -88,15 +121,7 @@ class _ChunkedLogProb(torch.autograd.Function):
             for s in range(0, M, tc):
                 e = min(s + tc, M)
                 h = hidden[s:e]                                                          # (m, D)
-                # d logp / d z = onehot(target) - softmax(z), times the incoming grad, times 1/T for z = raw/T.
-                dz = _chunk_logits(h, w, ctx.temperature)                                # (m, v)
-                dz.sub_(lse[s:e, None]).exp_().mul_(-g[s:e, None])                       # -g * softmax
-                inside = (targets[s:e] >= v0) & (targets[s:e] < v1)                      # (m,) no host sync
-                dz.scatter_add_(-1, (targets[s:e] - v0).clamp(0, v1 - v0 - 1)[:, None],
-                                (g[s:e] * inside)[:, None])                              # + g * onehot
-                if ctx.temperature != 1.0:
-                    dz.div_(ctx.temperature)
-                dz = dz.to(hidden.dtype)  # no-op for fp32 inputs
+                dz = _fused(_chunk_grad, h @ w.T, lse[s:e], g[s:e], targets[s:e] - v0, ctx.temperature)  # (m, v)
                 if need_h:
                     grad_h[s:e] += dz @ w                                                # (m, D)
                 if need_w:
@@ -121,7 +146,8 @@ def token_logprobs(
     Returns logp (N, T) fp32, or (logp, entropy) with entropy (N, T) fp32 of the same tempered
     distribution when return_entropy (a metric: it carries no gradient). fp64 inputs give fp64 outputs.
     Differentiable w.r.t. hidden and lm_head_weight; values and gradients equal the naive
-    log_softmax computation up to fp32 rounding. Peak extra memory ~ chunk_size * V * 4 bytes x 2.
+    log_softmax computation up to fp32 rounding. Peak extra memory: about two (chunk_size, V) blocks in the
+    input dtype on CUDA; eagerly, a few more in fp32.
     chunk_size 0 is that naive computation itself (full fp32 logits through autograd): the baseline
     that benchmarks compare the memory against.
     Targets are not range-checked (that needs a host sync); out-of-range ids fail inside gather.

@@ -71,21 +71,15 @@ class SequenceBatch:
         mask = completion_mask(comp, stop_ids) * real                                    # (n, C)
         return cls(ids.to(device), mask.to(device), [len(p) for p in prompts], lens)
 
-    def select(self, rows: list[int], *, n_rows: int = 0, col_multiple: int = 1) -> "SequenceBatch":
-        """The given rows, with the columns that are padding in all of them trimmed off.
-
-        For a compiled policy, static shapes: `n_rows` appends empty rows (no completion, mask 0) up to that
-        count, and the T columns are rounded up to a multiple of `col_multiple`. Padding never reaches a
-        real token (causal attention, module doc) and the zero mask keeps it out of every loss and metric."""
-        if n_rows and len(rows) > n_rows:
-            raise ValueError(f"cannot pad {len(rows)} rows down to {n_rows}")
+    def select(self, rows: list[int], *, n_rows: int = 0) -> "SequenceBatch":
+        """The given rows, with the columns that are padding in all of them trimmed off, and empty rows (no
+        completion, mask 0) appended up to `n_rows`. Padding never reaches a real token (causal attention,
+        module doc) and the zero mask keeps it out of every loss and metric."""
         C2 = max(1, max(self.completion_lens[r] for r in rows))
         T2 = max(self.prompt_lens[r] + max(1, self.completion_lens[r]) for r in rows)
-        T2 = -(-T2 // col_multiple) * col_multiple
         extra = max(0, n_rows - len(rows))
         idx = torch.tensor(rows, device=self.ids.device)
-        ids = self.ids[idx, :T2]                                                         # (n, <= T2)
-        ids = torch.nn.functional.pad(ids, (0, T2 - ids.shape[1], 0, extra))             # (n + extra, T2)
+        ids = torch.nn.functional.pad(self.ids[idx, :T2], (0, 0, 0, extra))             # (n + extra, T2)
         mask = torch.nn.functional.pad(self.mask[idx, :C2], (0, 0, 0, extra))            # (n + extra, C2)
         return SequenceBatch(ids, mask, [self.prompt_lens[r] for r in rows] + [1] * extra,
                              [self.completion_lens[r] for r in rows] + [0] * extra)

@@ -78,13 +78,13 @@ def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, entropy
 
 
 def speed_and_memory(timer: PhaseTimer, step: dict, device: torch.device, compiled: bool) -> dict:
-    """Seconds per phase, completion tokens per second, the step's peak memory (before and during the update),
-    and, for a compiled policy, the process's compiled graphs so far (a step where this grows compiled)."""
+    """Seconds per phase and spent compiling, completion tokens per second, the step's peak memory (before and
+    during the update), and, for a compiled policy, the process's compiled graphs so far."""
     tokens = step["completion_tokens"]
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     m = {**{f"time_{k}": v for k, v in timer.times.items()}, "time_step": timer.total,
          "rollout_tokens_per_s": tokens / max(timer.times["rollout"], 1e-9),
-         "tokens_per_s": tokens / max(timer.total, 1e-9),
+         "tokens_per_s": tokens / max(timer.total, 1e-9), "compile_s": timer.compiling,
          "peak_mem_gb": max(peak, step.get("peak_mem_before_update_gb", 0.0))}
     if compiled:
         m["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]

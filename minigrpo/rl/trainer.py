@@ -18,7 +18,8 @@ One step (`Trainer.step`, which reads as this list; each stage is one call, the 
                so dropping them is a pure saving: the gradient is exactly the full minibatch's. Each token's
                surrogate is weighted by min(pi_old / pi_rollout, tis_cap) (truncated importance sampling,
                grpo.py): the engine samples from its own bf16 distribution, not exactly from pi_old
-  6. sync      the backend's weights are refreshed from the policy (`load_weights`), timed
+  6. sync      the backend's weights are refreshed from the policy (`load_weights`), timed; nothing to do when
+               the engine shares the policy's memory (`--weights bf16` on CUDA: engine/decode.py)
 The LR (linear warmup, then constant or cosine) is a function of the step number: no scheduler state.
 Data parallel (torchrun, `dist`): each rank rolls out its block of the B prompts and the update runs
 through DDP or FSDP (`parallel`); the math is the single-process step's (distributed.py). Step metrics are
@@ -59,7 +60,7 @@ from minigrpo.run.metrics import PhaseTimer
 from minigrpo.run.stopping import NonFiniteError, nonfinite
 
 _ROLLOUT, _SHUFFLE, _ROUND = 0x5A3D, 0x5AFF, 0x5A40  # stream tags for (seed, tag, step, ...) derivation
-SEQ_BUCKET = 64  # a compiled policy's batches are padded to a multiple of this many columns (Trainer._select)
+RECOMPILE_LIMIT = 32  # graphs one compiled decoder layer may need before that is an error (_fail_past_recompile_limit)
 
 
 def derive_seeds(seed: int, tag: int, step: int, n: int) -> list[int]:
@@ -83,18 +84,13 @@ class _Rows:
         return self.batch.mask * bool(self.position)
 
 
-def _allow_every_length_bucket(max_positions: int) -> None:
-    """Let Dynamo compile a decoder layer for every length bucket the model's positions allow, and make
-    running out an error.
-
-    Every layer shares one code object, whose graphs count against Dynamo's recompile limit (8 by default):
-    one per length bucket and grad mode, 2 x (prompt + max_new_tokens) / SEQ_BUCKET of them; a 2,048-token
-    budget needs about 72. Past the limit Dynamo would run new shapes eager without a word. Process-wide
-    settings: they also cover the engine's compiled step."""
-    graphs = 2 * -(-max_positions // SEQ_BUCKET)
+def _fail_past_recompile_limit() -> None:
+    """Make Dynamo raise, not fall back to eager without a word, if a decoder layer ever needed more graphs than
+    its grad modes and the few shape guards Inductor may add (with dynamic shapes a handful; the limit is 8 by
+    default). Process-wide settings: they also cover the engine's compiled step."""
     cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, graphs)
-    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, graphs)
+    cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, RECOMPILE_LIMIT)
     cfg.fail_on_recompile_limit_hit = True
 
 
@@ -120,14 +116,14 @@ class Trainer:
             # Eager, a decoder layer is ~50 small kernels forward (norms, RoPE, SwiGLU, casts) and twice that
             # backward; the 0.5B model's micro-batches leave the GPU waiting on their launches. Compiled, the
             # elementwise ops fuse. Parameters are graph inputs, so one compile serves every layer of both
-            # models; nn.Module.compile keeps the state-dict names. Static shapes: the trainer pads its
-            # batches to fixed row counts and length buckets (_select), so a layer compiles once per bucket and
-            # grad mode. Ragged shapes recompiled mid-run instead, 8-12 s a time, with automatic dynamic shapes
-            # as well as with dynamic=True; `compiled_graphs` in the metrics shows any.
+            # models; nn.Module.compile keeps the state-dict names. The batch and length dimensions are
+            # dynamic (marked in Qwen2ForCausalLM.hidden_states): one graph per grad mode serves every
+            # micro-batch, so compiling is over after the first step whatever the lengths; a graph per length
+            # bucket cost 8-12 s each time a step met a new one. `compiled_graphs` in the metrics shows any.
             for m in (model, self.ref) if self.ref is not None else (model,):
                 for layer in m.model.layers:
-                    layer.compile(dynamic=False)
-            _allow_every_length_bucket(model.config.max_position_embeddings)
+                    layer.compile()
+            _fail_past_recompile_limit()
         self.sampler = EpochSampler(len(task), cfg.seed)  # the global prompt order, the same on every rank
         self.dist = dist
         dist.shard(range(cfg.prompts_per_step), "prompts per step (-B)")  # fails now, not at step 1
@@ -246,9 +242,9 @@ class Trainer:
         sums = UpdateSums(self.device)
         for k, epoch, minibatch, count in self._minibatches(rows, trained):
             self.optimizer.zero_grad(set_to_none=True)
-            for micro, last, weight in self._micro_batches(minibatch, count):
-                mb, idx = self._select(rows.batch, micro, self.cfg.micro_batch_size)           # (m, T'), (m,)
-                with self.policy.accumulate(last):  # the last micro-batch's backward reduces (DDP / FSDP)
+            for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch, count, rows.batch)):
+                mb, idx = self._select(rows.batch, micro)                                      # (m, T'), (m,)
+                with self.policy.accumulate(u == 0, last):  # the last backward reduces (DDP / FSDP)
                     if fill and epoch == 0 and weight:
                         logp, ent = self.policy(mb, True)                                      # (m, C') each
                         n, real = len(micro), idx[:len(micro)]
@@ -292,21 +288,23 @@ class Trainer:
                     most = max(sum(r // R == q for r in drawn) for q in range(W))  # rows of the fullest rank
                     yield epoch * (N // M) + start // M, epoch, mine, -(-most // cfg.micro_batch_size)
 
-    def _micro_batches(self, minibatch: list[int], count: int):
-        """(rows, last, loss weight) of each of `count` micro-batches. The weight is the loss scale of DDP / FSDP
-        (1.0, exact, with one rank). Past its own rows a rank backwards a stand-in row at weight 0: every rank
-        must make the same backwards (and forwards, with FSDP)."""
+    def _micro_batches(self, minibatch: list[int], count: int, batch: SequenceBatch):
+        """(rows, last, loss weight) of each of `count` micro-batches: the minibatch's rows longest first, so that
+        rows of about one length share a micro-batch and pad little. The loss of every micro-batch is normalised
+        by the whole minibatch, so the grouping leaves the gradient the minibatch's. The weight is the loss
+        scale of DDP / FSDP (1.0, exact, with one rank). Past its own rows a rank backwards a stand-in row at
+        weight 0: every rank must make the same backwards (and forwards, with FSDP)."""
         size = self.cfg.micro_batch_size
+        minibatch = sorted(minibatch, key=lambda r: -(batch.prompt_lens[r] + batch.completion_lens[r]))
         for u in range(count):
             sub = minibatch[u * size:(u + 1) * size]
             yield sub or [0], u == count - 1, self.policy.loss_scale if sub else 0.0
 
-    def _select(self, batch: SequenceBatch, rows: list[int], size: int) -> tuple[SequenceBatch, torch.Tensor]:
-        """`rows` of `batch`, and their index into the per-row tensors (m,). For a compiled policy, padded to
-        `size` rows and T to a multiple of SEQ_BUCKET: static shapes, so each decoder layer compiles once per
-        length bucket and grad mode (see __init__), for up to SEQ_BUCKET - 1 columns and a short last
-        micro-batch of padding. Padding rows have mask 0 and index the first row."""
-        mb = batch.select(rows, n_rows=size, col_multiple=SEQ_BUCKET) if self.cfg.compile_policy else batch.select(rows)
+    def _select(self, batch: SequenceBatch, rows: list[int]) -> tuple[SequenceBatch, torch.Tensor]:
+        """`rows` of `batch`, and their index into the per-row tensors (m,). For a compiled policy a single row
+        gets a padding row (mask 0, indexing the first row): Dynamo specialises a dimension of size 1, which
+        would compile a graph of its own."""
+        mb = batch.select(rows, n_rows=2 if self.cfg.compile_policy else 0)
         return mb, torch.tensor(rows + rows[:1] * (len(mb.prompt_lens) - len(rows)), device=self.device)
 
     def _optimizer_step(self, k: int) -> torch.Tensor | None:
@@ -345,7 +343,7 @@ class Trainer:
         entropy = torch.zeros((n, C), dtype=torch.float32, device=self.device) if return_entropy else None
         for s in range(0, max(n, most), size):
             rows = list(range(s, min(s + size, n)))
-            mb, _ = self._select(batch, rows or [0], size)
+            mb, _ = self._select(batch, rows or [0])
             out = forward(mb, return_entropy)
             lp, ent = out if return_entropy else (out, None)
             logp[s:s + len(rows), :mb.C] = lp[:len(rows)]                # padding rows and stand-ins dropped

@@ -18,8 +18,9 @@ the rows that were trained on, since with kl_beta = 0 zero-advantage groups get 
   numerical mismatch between engine and trainer), mismatch_kl (k3 KL(rollout || trainer) on those tokens),
   tis_weight_mean (the truncated importance weight as applied), tis_ratio_max (before the cap),
   tis_capped_frac (tokens whose weight the cap bound), lr, time_{rollout,reward,logprobs,update,sync,step} (seconds),
-  rollout_tokens_per_s and tokens_per_s (completion tokens / rollout time, / step time), peak_mem_gb
-  (CUDA; 0 on CPU), skipped_update (only when no group had any reward spread), eval_* (evaluation steps).
+  rollout_tokens_per_s and tokens_per_s (completion tokens / rollout time, / step time), compile_s (seconds of
+  the step spent in torch.compile, part of time_step), peak_mem_gb (CUDA; 0 on CPU), skipped_update (only
+  when no group had any reward spread), eval_* (evaluation steps).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ _LINE = [
     ("time_logprobs", "lp", "{:.2f}s", "seconds scoring old / reference log-probs"),
     ("time_update", "upd", "{:.2f}s", "update seconds"),
     ("time_sync", "sync", "{:.3f}s", "seconds copying the weights to the rollout engine"),
+    ("compile_s", "comp", "{:.1f}s", "seconds of the step spent compiling (torch.compile)"),
     ("peak_mem_gb", "mem", "{:.1f}G", "peak GPU memory"),
     ("eval_accuracy", "EVAL acc", "{:.4f}", "greedy test accuracy"),
 ]
@@ -125,13 +127,41 @@ class MetricsLogger:
             self._tb.close()
 
 
+class _CompileClock:
+    """Wall seconds this process has spent in torch.compile: Dynamo tracing, Inductor code generation and the
+    backward graphs compiled at their first use. Process-wide, like the compiler's caches: Dynamo calls back at
+    the start and end of each outermost compile (nested ones are not counted twice). Counts from the first read."""
+
+    def __init__(self):
+        self.total, self.since, self.hooked = 0.0, None, False
+
+    def read(self) -> float:
+        if not self.hooked:
+            from torch._dynamo.callback import callback_handler
+            callback_handler.register_start_callback(self._start)
+            callback_handler.register_end_callback(self._end)
+            self.hooked = True
+        return self.total + (time.perf_counter() - self.since if self.since is not None else 0.0)
+
+    def _start(self, *_):
+        self.since = time.perf_counter()
+
+    def _end(self, *_):
+        self.total, self.since = self.total + time.perf_counter() - self.since, None
+
+
+compile_seconds = _CompileClock().read
+
+
 class PhaseTimer:
-    """Wall time per phase; synchronises CUDA first so that a phase is charged for its own kernels."""
+    """Wall time per phase; synchronises CUDA first so that a phase is charged for its own kernels. `compiling`:
+    the seconds of it spent compiling."""
 
     def __init__(self, device: torch.device, phases: tuple[str, ...]):
         self.device, self.times = device, dict.fromkeys(phases, 0.0)  # phases not reached stay at 0
         self._sync()
         self.start = self.last = time.perf_counter()
+        self.compile_start = compile_seconds()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -145,3 +175,7 @@ class PhaseTimer:
     @property
     def total(self) -> float:
         return self.last - self.start
+
+    @property
+    def compiling(self) -> float:
+        return compile_seconds() - self.compile_start

@@ -1,0 +1,165 @@
+"""A run's peak device memory per rank, estimated from its configs alone, before anything is allocated.
+
+train.py compares the estimate with the GPU's free memory and stops at start, naming a setting that fits,
+rather than running out of memory a minute in. Pure arithmetic: nothing is allocated here.
+
+    peak = resident + max(update, scoring)
+
+resident (held from the first step on; weight_casts through every forward and backward):
+  weights           the policy, P parameters x 4 bytes (fp32 master) or 2 (--weights bf16)
+  optimizer         AdamW's two moments: 2 x P x 4, or 2 x P x 2 with bf16 weights (optim.py)
+  reference         the KL anchor (beta > 0): a deep copy of the policy (trainer.py)
+  weight_casts      fp32 weights on CUDA: autocast's bf16 copy of every matmul weight (and of the LM head,
+                    cast by hand), made in the forward and kept for its backward
+  engine_copy       the engine's own weights (decode.py: fused qkv / gate_up, the same P parameters), bf16
+                    on CUDA, and its RoPE tables
+  kv_pool           the engine's KV pages: every sequence of this rank's rollout at full length, or what
+                    kv_memory_fraction of the memory free at its construction holds, if less (engine.py)
+  engine_workspace  the decode step's logits and sampler buffers for the largest bucket, and a prefill of
+                    this rank's prompts: CUDA graphs keep them in their memory pool
+update (one micro-batch's forward and backward, the optimizer step's gradients):
+  gradients         P x 4 (fp32); bf16: P x 2, or P x 4 while micro-batches are summed in fp32 (GradSync)
+  ddp_buckets       with W > 1, DDP's flat gradient buckets: another P x gradient size
+  activations       what the decoder layers keep for the backward (_layer_bytes); with activation
+                    checkpointing, each layer's input plus one layer recomputed in the backward
+  lm_head           the log-probs' (token chunk x vocabulary) logits block, its fp32 temporaries, the
+                    hidden states it reads and their gradient (logprobs.py)
+scoring (the no-grad reference / old log-prob passes; they hold no gradients):
+  one layer's transient working set for a scoring batch, plus its LM-head chunk
+
+Under FSDP (`--parallel fsdp`, W > 1) the weights, optimizer and reference divide by W; the gradients are
+this rank's shard, plus with bf16 weights and several micro-batches their fp32 sum, kept whole until the
+last one's reduce-scatter (distributed.GradSync); fsdp_gathered: the root unit (embedding, LM head, final
+norm) and two layers, gathered whole; the engine keeps its own copy; there are no DDP buckets. An engine
+that shares the policy's bf16 weights drops engine_copy, and one that frees its KV pool for the update
+moves kv_pool out of resident.
+The estimate counts allocated bytes (what torch.cuda.max_memory_allocated reports) for the longest prompt
+the data holds; train.py adds a margin for what the caching allocator reserves beyond them.
+
+Shape legend: P parameters, V vocabulary, C hidden size, F MLP width, H query heads, K kv heads, D head dim,
+L layers, W ranks, T training columns (prompt + completion), a / r bytes per activation / residual element.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from minigrpo.model.config import ModelConfig
+from minigrpo.rl.config import TrainConfig
+
+if TYPE_CHECKING:  # not imported to run: the engine package loads the Triton kernels
+    from minigrpo.engine.config import EngineConfig
+
+# An eager layer also keeps the elementwise intermediates: norms in fp32, a bf16 cast of the input per matmul
+# under autocast, RoPE's halves and outputs, SwiGLU's activation. Counted op by op, 1.5x (bf16) to 1.65x (fp32
+# under autocast) the compiled layer at the Qwen2.5 shapes; bench/NOTES.md (session 4) measured 1.55x.
+EAGER_FACTOR = 1.75
+# Per (token, vocabulary) element of an LM-head block at its peak: chunked, the fp32 logits and one fp32
+# temporary (logsumexp's exponentials, the entropy's; in the backward, the matmul output and its cast);
+# full logits (chunk 0), the log-softmax kept for the backward, its gradient and one temporary.
+CHUNK_LOGIT_BYTES, FULL_LOGIT_BYTES = 8, 12
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    resident: dict[str, int]   # bytes held all run long, by term
+    update: dict[str, int]     # bytes added during the update, by term
+    scoring: int               # bytes added during the no-grad log-prob passes instead
+
+    @property
+    def total(self) -> int:
+        return sum(self.resident.values()) + max(sum(self.update.values()), self.scoring)
+
+    def __str__(self) -> str:
+        terms = {**self.resident, **self.update} if sum(self.update.values()) >= self.scoring else \
+            {**self.resident, "scoring": self.scoring}
+        return ", ".join(f"{k} {v / 2**30:.2f}" for k, v in terms.items() if v) + " GiB"
+
+
+def parameter_count(m: ModelConfig) -> int:
+    """P: the model's parameters, a tied embedding counted once."""
+    C, qkv = m.hidden_size, (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
+    layer = C * qkv + qkv + C * C + 3 * C * m.intermediate_size + 2 * C   # q/k/v (+ biases), o, MLP, 2 norms
+    return m.vocab_size * C * (1 if m.tie_word_embeddings else 2) + m.num_hidden_layers * layer + C
+
+
+def _layer_bytes(m: ModelConfig, a: int, r: int) -> int:
+    """Bytes per token a compiled decoder layer keeps for its backward (Inductor recomputes the elementwise
+    ops and keeps the inputs of matmuls and attention): its input and the mid-layer residual (each norm's
+    backward reads them) 2rC; the two normed matmul inputs 2aC; q, k, v after RoPE a(C + 2KD); attention's
+    output aC and its log-sum-exp 4H; gate, up and their SwiGLU product 3aF."""
+    C, KD = m.hidden_size, m.num_key_value_heads * m.head_dim
+    return 2 * r * C + a * (4 * C + 2 * KD + 3 * m.intermediate_size) + 4 * m.num_attention_heads
+
+
+def _per_parameter(P: int, cfg: TrainConfig, fp32_sums: bool) -> dict[str, int]:
+    """The terms that scale with the parameters (FSDP would shard these)."""
+    w = 4 if cfg.weights == "fp32" else 2
+    return {"weights": P * w, "optimizer": 2 * P * w, "reference": P * w if cfg.kl_beta > 0 else 0,
+            "gradients": P * (4 if fp32_sums else w)}
+
+
+def _engine(m: ModelConfig, engine: EngineConfig, P: int, prompts: int, prompt_tokens: int, e: int,
+            free: int | None, shared: bool) -> dict:
+    """The rollout engine's terms, its dtype e bytes; free: what its KV pool may take a fraction of; shared:
+    the engine's weights are the policy's (same dtype: engine/decode.py)."""
+    C, D = m.hidden_size, m.head_dim
+    copy = P * e * (not shared) + 2 * engine.max_seq_len * D * 4  # shared: the policy's own weights; cos / sin
+    page = 2 * m.num_hidden_layers * engine.page_size * m.num_key_value_heads * D * e  # K and V, all layers
+    pages = engine.kv_pages or 1 + engine.max_batch * math.ceil(engine.max_seq_len / engine.page_size)
+    if free is not None and engine.kv_pages is None:
+        pages = max(2, min(pages, int((free - copy) * engine.kv_memory_fraction) // page))
+    workspace = (engine.max_batch * m.vocab_size * (e + CHUNK_LOGIT_BYTES)                # the decode step
+                 + prompts * prompt_tokens * (4 * C + 3 * m.intermediate_size) * e)    # a prefill
+    return {"engine_copy": copy, "kv_pool": pages * page, "engine_workspace": workspace}
+
+
+def _logits(cfg: TrainConfig, tokens: int, V: int) -> int:
+    """The LM-head block's peak bytes for `tokens` scored tokens (logprobs.py)."""
+    if cfg.logprob_chunk_size == 0:
+        return tokens * V * FULL_LOGIT_BYTES
+    return min(cfg.logprob_chunk_size, tokens) * V * CHUNK_LOGIT_BYTES
+
+
+def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: EngineConfig | None = None,
+             world: int = 1, cuda: bool = True, capacity: int | None = None) -> MemoryEstimate:
+    """Peak bytes of one rank. prompt_tokens: the longest prompt of a training batch; engine: the rollout
+    engine's EngineConfig (max_batch = this rank's B x G / W), None for the reference generator; cuda: bf16
+    engine and, with fp32 weights, bf16 autocast (else everything in the weights' dtype); capacity: the
+    device's free bytes before the run, which caps the KV pool (None: uncapped)."""
+    C, V, L = m.hidden_size, m.vocab_size, m.num_hidden_layers
+    P, w = parameter_count(m), 4 if cfg.weights == "fp32" else 2
+    amp = cuda and cfg.weights == "fp32"
+    a, r = (2 if amp else w), w                      # matmul activations in bf16 under autocast; residual in w
+    rows = cfg.rows_per_minibatch // world           # this rank's rows per optimizer step
+    compiled = cfg.compile_policy                    # compiled: one row is padded to two (trainer.py)
+    mb = max(2 if compiled else 1, min(cfg.micro_batch_size, rows))
+    ms = max(2 if compiled else 1, min(cfg.score_batch_size, cfg.rows_per_step // world))
+    T = prompt_tokens + cfg.max_new_tokens
+
+    fsdp = cfg.parallel == "fsdp" and world > 1
+    resident = _per_parameter(P, cfg, fp32_sums=w == 2 and rows > cfg.micro_batch_size)
+    gradients = resident.pop("gradients")
+    if fsdp:
+        root = V * C * (1 if m.tie_word_embeddings else 2) + C
+        resident = {k: v // world for k, v in resident.items()} | {"fsdp_gathered": (root + 2 * (P - root) // L) * w}
+        gradients = P * w // world + (P * 4 if w == 2 and rows > cfg.micro_batch_size else 0)
+    # autocast casts every matmul weight but the embedding, and the LM head (the embedding itself when tied)
+    resident["weight_casts"] = 2 * (P - L * 2 * C - C - (0 if m.tie_word_embeddings else V * C)) if amp else 0
+    if engine is not None:
+        free = None if capacity is None else capacity - resident["weights"]
+        e = 2 if cuda else 4
+        resident.update(_engine(m, engine, P, max(1, cfg.prompts_per_step // world), prompt_tokens, e, free,
+                                shared=e == w and not fsdp))
+
+    layer = _layer_bytes(m, a, r) * (1 if compiled else EAGER_FACTOR) * mb * T          # one layer's batch
+    kept = L * mb * T * r * C + 2 * layer if cfg.activation_checkpointing else (L + 1) * layer
+    scored = mb * cfg.max_new_tokens                                                      # log-probs taken
+    update = {"gradients": gradients, "ddp_buckets": P * w if world > 1 and not fsdp else 0, "activations": int(kept),
+              "lm_head": _logits(cfg, scored, V) + scored * C * (a + 4)}  # + hidden states, their fp32 grad
+    KD = m.num_key_value_heads * m.head_dim
+    scoring = (ms * T * (2 * r * C + a * (2 * C + 2 * KD + 3 * m.intermediate_size))     # one layer, no grad
+               + _logits(cfg, ms * cfg.max_new_tokens, V))
+    return MemoryEstimate(resident, update, scoring)

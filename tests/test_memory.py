@@ -1,0 +1,273 @@
+"""The memory estimate (minigrpo/rl/memory.py) and train.py's fit check.
+
+Each term is checked three ways: by hand for a tiny config; against the bytes the run's own objects hold
+on the CPU (policy, reference, AdamW state, gradients and their fp32 sums, the engine's weights and KV
+pool); and the activations against what autograd saves for a micro-batch. Then the check itself: the
+search for a setting that fits, and the engine sized to each rank's share of the rollout.
+"""
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import QWEN_DIR, SHARED_DATA, random_model, tiny_config
+
+from minigrpo.engine.config import EngineConfig
+from minigrpo.engine.rollout import make_backend
+from minigrpo.model.config import ModelConfig
+from minigrpo.model.qwen2 import Qwen2ForCausalLM
+from minigrpo.rl.config import TrainConfig
+from minigrpo.rl.memory import EAGER_FACTOR, estimate, parameter_count
+from minigrpo.rl.sequences import SequenceBatch, completion_logprobs
+from minigrpo.rl.trainer import Trainer
+from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train  # noqa: E402
+
+SIZES = {"0.5b": QWEN_DIR, **{s: SHARED_DATA / "configs" / f"qwen2.5-{s}-instruct" for s in ("1.5b", "3b", "7b")}}
+H200 = int(139.5 * 2**30)  # an H200's free memory before a run (of its 140.4 GiB, less the CUDA context)
+GSM8K_PROMPT = 256         # the longest GSM8K train prompt, chat template included: the check's worst case
+
+
+def nbytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a tied weight counts once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_count_is_the_models(tied):
+    cfg = tiny_config(tied=tied)
+    assert parameter_count(cfg) == sum(p.numel() for p in Qwen2ForCausalLM(cfg).parameters())
+
+
+def test_parameter_count_of_the_published_sizes():
+    if not all((d / "config.json").is_file() for d in SIZES.values()):
+        pytest.skip(f"configs not found under {SHARED_DATA}")
+    for d in SIZES.values():
+        cfg = ModelConfig.from_json(d)
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(cfg)
+        assert parameter_count(cfg) == sum(p.numel() for p in model.parameters()), d
+
+
+def test_every_term_by_hand():
+    # C 32, H 4, K 2, D 8 (KD 16), F 64, V 256, L 2, tied. P = 256*32 (embedding = head)
+    # + 2 layers x (32*64 + 64 qkv and biases, 32*32 o, 3*32*64 MLP, 2*32 norms = 9344) + 32 final norm = 26912.
+    m = tiny_config(n_heads=4, n_kv_heads=2, head_dim=8, vocab=256, layers=2)
+    assert parameter_count(m) == 26912
+    # fp32 weights on CUDA (bf16 autocast), compiled: T = 30 + 20 = 50 columns; micro-batch 4, scoring 8 rows
+    cfg = TrainConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=20, micro_batch_size=4,
+                      score_batch_size=8, kl_beta=0.04, compile_policy=True, logprob_chunk_size=32)
+    e = estimate(m, cfg, prompt_tokens=30, engine=EngineConfig(max_batch=16, max_seq_len=50))
+    assert e.resident == {
+        "weights": 26912 * 4, "optimizer": 26912 * 8, "reference": 26912 * 4,
+        "weight_casts": (26912 - 2 * 2 * 32 - 32) * 2,      # all but the norms, in bf16
+        "engine_copy": 26912 * 2 + 2 * 50 * 8 * 4,          # bf16 weights + fp32 cos/sin of 50 positions
+        "kv_pool": (1 + 16 * 4) * (2 * 2 * 16 * 2 * 8 * 2),  # scratch + 16 rows x 4 pages; K, V x L x S x K x D x 2
+        "engine_workspace": 16 * 256 * (2 + 8) + 4 * 30 * (4 * 32 + 3 * 64) * 2}  # decode logits, a prefill
+    # a layer keeps per token 2 x 4 x 32 (fp32 residuals) + 2 x (4 x 32 + 2 x 16 + 3 x 64) + 4 x 4 = 976 bytes
+    assert e.update == {"gradients": 26912 * 4, "ddp_buckets": 0,
+                        "activations": 3 * 4 * 50 * 976,     # L + 1 layers x 4 rows x 50 columns
+                        "lm_head": 32 * 256 * 8 + 4 * 20 * 32 * (2 + 4)}  # a 32-token chunk; 80 hidden states
+    assert e.scoring == 8 * 50 * (2 * 4 * 32 + 2 * (2 * 32 + 2 * 16 + 3 * 64)) + 32 * 256 * 8
+    assert e.total == sum(e.resident.values()) + sum(e.update.values())
+    # bf16 weights, checkpointing, 2 ranks: 8 rows each, so 2 micro-batches summed in fp32; DDP's buckets
+    lean = replace(cfg, weights="bf16", activation_checkpointing=True)
+    e = estimate(m, lean, prompt_tokens=30, engine=EngineConfig(max_batch=8, max_seq_len=50), world=2)
+    assert (e.resident["weights"], e.resident["optimizer"], e.resident["weight_casts"]) == (26912 * 2, 26912 * 4, 0)
+    assert e.resident["kv_pool"] == (1 + 8 * 4) * 2048
+    # a layer: 2 x 2 x 32 + 2 x (4 x 32 + 2 x 16 + 3 x 64) + 16 = 848 bytes per token; inputs kept: 2 x 32
+    assert e.update == {"gradients": 26912 * 4, "ddp_buckets": 26912 * 2,
+                        "activations": 2 * 4 * 50 * 2 * 32 + 2 * 4 * 50 * 848,
+                        "lm_head": 32 * 256 * 8 + 4 * 20 * 32 * (2 + 4)}
+
+
+def test_fsdp_shards_the_per_parameter_terms():
+    # The by-hand model (P = 26912; root unit = embedding 256 x 32 + final norm 32 = 8224; a layer 9344) on 2
+    # ranks, 8 rows each in micro-batches of 4: weights, moments and reference halve; fp32 weights reduce-scatter
+    # every micro-batch (the gradient is the rank's shard), bf16 ones keep the micro-batches' fp32 sum whole
+    # until the last; the root and two layers are gathered whole; the engine keeps its copy; no DDP buckets.
+    m = tiny_config(n_heads=4, n_kv_heads=2, head_dim=8, vocab=256, layers=2)
+    cfg = TrainConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=20, micro_batch_size=4,
+                      kl_beta=0.04, parallel="fsdp")
+    engine = EngineConfig(max_batch=8, max_seq_len=50)
+    fp32, bf16 = (estimate(m, c, prompt_tokens=30, engine=engine, world=2) for c in (cfg, replace(cfg, weights="bf16")))
+    for e, w in ((fp32, 4), (bf16, 2)):
+        assert (e.resident["weights"], e.resident["optimizer"], e.resident["reference"]) == (13456 * w, 26912 * w,
+                                                                                          13456 * w)
+        assert e.resident["fsdp_gathered"] == (8224 + 2 * 9344) * w and e.update["ddp_buckets"] == 0
+        assert e.resident["engine_copy"] == 26912 * 2 + 2 * 50 * 8 * 4  # bf16 weights are not shared with shards
+    assert (fp32.update["gradients"], bf16.update["gradients"]) == (13456 * 4, 13456 * 2 + 26912 * 4)
+    assert estimate(m, cfg, prompt_tokens=30, engine=engine).resident["weights"] == 26912 * 4  # one rank: no FSDP
+
+
+def test_full_logits_and_eager_layers():
+    m = tiny_config(n_heads=4, n_kv_heads=2, head_dim=8, vocab=256, layers=2)
+    cfg = TrainConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=20, micro_batch_size=4,
+                      logprob_chunk_size=0)
+    e = estimate(m, cfg, prompt_tokens=30, cuda=False)  # fp32 on the CPU: 4 bytes everywhere, eager, no engine
+    assert e.resident == {"weights": 26912 * 4, "optimizer": 26912 * 8, "reference": 0, "weight_casts": 0}
+    layer = 2 * 4 * 32 + 4 * (4 * 32 + 2 * 16 + 3 * 64) + 16                                 # 1680 bytes
+    assert e.update["activations"] == int(3 * 4 * 50 * layer * EAGER_FACTOR)                # 50 columns, no padding
+    assert e.update["lm_head"] == 4 * 20 * 256 * 12 + 4 * 20 * 32 * (4 + 4)                  # all 80 tokens' logits
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_resident_terms_are_what_a_training_step_holds(tmp_path, weights, one_thread):
+    """One real step on the CPU (the engine in fp32 there): every parameter-sized term equals the bytes the
+    trainer's objects hold, the gradients both at the optimizer step and as fp32 sums between micro-batches."""
+    tok = CharTokenizer()
+    model = tiny_policy(tok.vocab_size, seed=0).to(torch.float32 if weights == "fp32" else torch.bfloat16)
+    task = FirstDigitTask(tok, num_examples=64, seed=0, num_digits=4)
+    cfg = TrainConfig(prompts_per_step=2, samples_per_prompt=4, max_new_tokens=3, micro_batch_size=3, kl_beta=0.04,
+                      lr=1e-3, steps=1, eval_every=0, save_every=0, sample_every=0, weights=weights)
+    backend = make_backend("sdpa", model, pad_id=tok.pad_id, max_seq_len=16, max_batch=8)
+    trainer = Trainer(cfg, model, tok, task, backend, tmp_path, echo=False)
+    held = {"gradients": 0}
+    step, enter = trainer.optimizer.step, trainer.policy.accumulate
+
+    def record(*args):  # the gradients the optimizer steps on, or the fp32 sums as a micro-batch starts
+        grads = nbytes(p.grad for p in model.parameters() if p.grad is not None)
+        held["gradients"] = max(held["gradients"], grads + nbytes(trainer.policy._sums.values()))
+
+    trainer.optimizer.step = lambda *a: (record(), step(*a))[1]
+    trainer.policy.accumulate = lambda first, last: (record(), enter(first, last))[1]
+    trainer.step()
+    e = estimate(model.config, cfg, prompt_tokens=8, engine=backend.cfg, cuda=False)
+    state = [t for s in trainer.optimizer.state.values() for t in s.values() if t.dim()]  # not the step counts
+    assert nbytes(model.parameters()) == e.resident["weights"]
+    assert nbytes(trainer.ref.parameters()) == e.resident["reference"]
+    assert nbytes(state) == e.resident["optimizer"]
+    assert held["gradients"] == e.update["gradients"]  # bf16: 8 rows in micro-batches of 3, summed in fp32
+    policy = {p.untyped_storage().data_ptr() for p in model.parameters()}  # an engine sharing them holds no copy
+    assert nbytes(b for b in backend.model.buffers() if b.untyped_storage().data_ptr() not in policy) \
+        == e.resident["engine_copy"]
+    assert nbytes(backend.kv.k + backend.kv.v) == e.resident["kv_pool"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_bound_what_autograd_saves(dtype):
+    """The eager estimate covers the tensors a micro-batch's forward saves for its backward, and not by
+    more than EAGER_FACTOR (a compiled layer saves less: the factor is what eager adds)."""
+    m = replace(tiny_config(vocab=512, n_heads=4, n_kv_heads=2, head_dim=16, layers=4), intermediate_size=352)
+    model = random_model(m, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 510, (20,), generator=gen).tolist() for _ in range(4)]
+    completions = [torch.randint(1, 510, (12,), generator=gen).tolist() for _ in range(4)]
+    batch = SequenceBatch.build(prompts, completions, pad_id=0, stop_ids=(511,), device="cpu")
+    params, saved = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        completion_logprobs(model, batch, temperature=1.0, chunk_size=1024)
+    cfg = TrainConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=12, micro_batch_size=4,
+                      weights="fp32" if dtype == torch.float32 else "bf16")
+    estimated = estimate(m, cfg, prompt_tokens=20, cuda=False).update["activations"]
+    assert sum(saved.values()) <= estimated <= EAGER_FACTOR * sum(saved.values())
+
+
+def test_leaner_tries_the_cheapest_change_first():
+    cfg = TrainConfig(micro_batch_size=16)
+    assert train.leaner(cfg, lambda c: c.micro_batch_size <= 8) == {"micro_batch_size": 8}
+    assert train.leaner(cfg, lambda c: c.activation_checkpointing) == {"activation_checkpointing": True}
+    assert train.leaner(cfg, lambda c: c.weights == "bf16" and c.micro_batch_size <= 4) == \
+        {"weights": "bf16", "micro_batch_size": 4}
+    assert train.leaner(cfg, lambda c: c.weights == "bf16" and c.activation_checkpointing and c.micro_batch_size < 2) \
+        == {"weights": "bf16", "activation_checkpointing": True, "logprob_chunk_size": 256, "micro_batch_size": 1}
+    assert train.leaner(replace(cfg, logprob_chunk_size=128), lambda c: c.weights == "bf16" and
+                        c.activation_checkpointing) == {"weights": "bf16", "activation_checkpointing": True}
+    assert train.leaner(cfg, lambda c: False) is None
+    assert train.as_flags({"weights": "bf16", "activation_checkpointing": True, "micro_batch_size": 8}) == \
+        "--weights bf16 --activation-checkpointing --micro-batch-size 8"
+
+
+def test_published_sizes_on_an_h200():
+    """The sizes table's prediction (8 x 8 x 256, K = 2, beta 0.04): the default flags fit up to 3B, the lean
+    flags up to 7B; the 7B with the default flags is refused, pointing at bf16 weights."""
+    if not all((d / "config.json").is_file() for d in SIZES.values()):
+        pytest.skip(f"configs not found under {SHARED_DATA}")
+    default = TrainConfig(prompts_per_step=8, samples_per_prompt=8, max_new_tokens=256, inner_epochs=2,
+                          kl_beta=0.04, compile_policy=True)
+    lean = replace(default, weights="bf16", activation_checkpointing=True, logprob_chunk_size=256)
+    engine = EngineConfig(max_batch=64, max_seq_len=GSM8K_PROMPT + 256)
+
+    def fits(m: ModelConfig, cfg: TrainConfig) -> bool:
+        peak = estimate(m, cfg, prompt_tokens=GSM8K_PROMPT, engine=engine, capacity=H200).total
+        return peak * (1 + train.MEMORY_MARGIN) <= H200
+    models = {size: ModelConfig.from_json(d) for size, d in SIZES.items()}
+    assert {(s, n): fits(m, c) for s, m in models.items() for n, c in (("default", default), ("lean", lean))} == \
+        {(s, n): s != "7b" or n == "lean" for s in SIZES for n in ("default", "lean")}
+    assert train.leaner(default, lambda c: fits(models["7b"], c))["weights"] == "bf16"
+
+
+def test_each_rank_sizes_its_engine_to_its_share():
+    """B x G / W sequences per rank: the batch buckets and the KV pool, not the whole step's B x G."""
+    args = train.parse_args(["--preset", "smoke", "--attn", "sdpa", "-B", "4", "-G", "8"])
+    model, tok, tr, te, _ = train.build_smoke(args)
+    for world in (1, 2):
+        engine = train.build_backend(args, model, tok, tr, te, world)
+        assert engine.cfg.max_batch == 32 // world and engine.cfg.bucket_sizes()[-1] == 32 // world
+        e = train.memory_estimator(args, model.config, tr, te, world)(args.cfg)
+        assert nbytes(engine.kv.k + engine.kv.v) == e.resident["kv_pool"]
+
+
+class ParityTask:
+    """GSM8K prompts scored by the parity of the completion's token sum (bench/train_step.py's stand-in
+    reward): random weights never solve GSM8K, and about half of each group scores 1, so every row trains."""
+
+    def __init__(self, prompts):
+        self.prompts = prompts
+
+    def __len__(self):
+        return len(self.prompts)
+
+    def prompt(self, i):
+        return self.prompts[i]
+
+    def score(self, i, completion):
+        return float(sum(completion) % 2 == 0), False
+
+    def describe(self, i):
+        return {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", ["default", "lean"])
+def test_estimate_bounds_the_measured_peak_on_the_gpu(tmp_path, flags):
+    """Random Qwen2.5-0.5B, 4 prompts x 4 samples x 64 tokens, K = 2, beta 0.04, eager engine and policy (no
+    compile warm-up): the measured peak (torch.cuda.max_memory_allocated over two steps) is under the
+    estimate, and the estimate within 30% of it. The sizes table's runs (bench/h200.sh sizes) give the error
+    at the real shapes."""
+    if not QWEN_DIR.exists():
+        pytest.skip(f"no data folder at {QWEN_DIR} (set MINIGRPO_DATA)")
+    from bench.workload import gsm8k_prompts, random_qwen
+
+    tok, prompts = gsm8k_prompts(8)
+    cfg = TrainConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=64, inner_epochs=2, micro_batch_size=8,
+                      kl_beta=0.04, steps=2, eval_every=0, save_every=0, sample_every=0)
+    if flags == "lean":
+        cfg = replace(cfg, weights="bf16", activation_checkpointing=True, logprob_chunk_size=256)
+    model = random_qwen(device="cuda", dtype=torch.float32 if cfg.weights == "fp32" else torch.bfloat16).train()
+    longest = max(len(p) for p in prompts)
+    backend = make_backend("sdpa", model, pad_id=tok.pad_id, compile="none", cuda_graphs=False,
+                           max_seq_len=longest + 64, max_batch=16)
+    trainer = Trainer(cfg, model, tok, ParityTask(prompts), backend, tmp_path, echo=False)
+    peak = max(trainer.step()["peak_mem_gb"] for _ in range(cfg.steps)) * 2**30
+    e = estimate(model.config, cfg, prompt_tokens=longest, engine=backend.cfg)
+    print(f"\n[memory {flags}] measured {peak / 2**30:.2f} GiB, estimated {e.total / 2**30:.2f} GiB ({e}), "
+          f"error {e.total / peak - 1:+.1%}")
+    assert peak <= e.total <= 1.3 * peak

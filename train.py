@@ -1,6 +1,9 @@
-"""Dr. GRPO on GSM8K for Qwen2.5 (or, with --preset smoke, on a tiny offline task on the CPU).
+"""Dr. GRPO on GSM8K, MATH or any question/answer jsonl for Qwen2.5 (or, with --preset smoke, on a tiny
+offline task on the CPU).
 
     python train.py                                  # Qwen2.5-0.5B-Instruct on GSM8K, fast engine on CUDA
+    python train.py --model-dir BASE --task math --template r1 --eval-samples 8 --eval-temperature 1
+                                                     # the Dr. GRPO paper's setting: a base model, R1 template
     python train.py --preset smoke                   # CPU, tiny random model, synthetic task, ~1 minute
     python train.py --out runs/a --resume            # continue runs/a from its newest checkpoint, exactly
     torchrun --nproc-per-node 4 train.py -B 32       # data parallel: 8 prompts per rank, DDP update
@@ -38,6 +41,7 @@ import torch
 from minigrpo.engine.rollout import ATTN_BACKENDS, make_backend
 from minigrpo.rl import distributed
 from minigrpo.rl.config import PARALLEL, WEIGHT_DTYPES, TrainConfig
+from minigrpo.rl.evaluate import add_task_flags
 from minigrpo.rl.loop import run
 from minigrpo.rl.memory import estimate
 from minigrpo.rl.trainer import Trainer
@@ -87,13 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description=__doc__, formatter_class=_HelpFormatter)
     g = p.add_argument_group("run")
     g.add_argument("--preset", choices=sorted(PRESETS), default="gsm8k",
-                   help="gsm8k: Qwen2.5 on GSM8K; smoke: CPU, tiny random model, built-in synthetic task (CI); "
+                   help="gsm8k: a Qwen2.5 model on --task (GSM8K by default); smoke: CPU, tiny random model, "
+                        "built-in synthetic task (CI); "
                         "learn: the same model on a harder synthetic task, copying 3 digits (bench/learn.py)")
     g.add_argument("--model-dir", default=None, help="HF model directory to train (default: weights/download.py's "
                    "directory, downloaded when missing); not used by --preset smoke")
-    g.add_argument("--train-data", default=None, help="GSM8K train jsonl (openai/grade-school-math format); "
-                   "default: openai/gsm8k from the Hugging Face Hub (needs pyarrow)")
-    g.add_argument("--test-data", default=None, help="GSM8K test jsonl for evaluation; default: the Hub")
+    g.add_argument("--train-data", default=None, help="train jsonl (for gsm8k the openai/grade-school-math "
+                   "format); default: the task's train split from the Hugging Face Hub (parquet: needs pyarrow)")
+    g.add_argument("--test-data", default=None, help="test jsonl for evaluation; default: the Hub")
     g.add_argument("--out", default=None, help="output directory (default: runs/<preset>); one that already "
                    "holds a run needs --resume or --overwrite")
     g.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT",
@@ -109,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="under torchrun, the update: ddp replicates the weights, gradients and AdamW state on "
                         "every rank; fsdp shards them (FSDP2), for models whose state does not fit one GPU")
     g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard (needs tensorboard)")
+    add_task_flags(p.add_argument_group("task (not with --preset smoke / learn)"))
     g = p.add_argument_group("rollout engine")
     g.add_argument("--attn", choices=ATTN_BACKENDS, default=None,
                    help="reference: the plain generator (no KV cache); eager/sdpa/triton: the fast engine with "
@@ -177,7 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute each decoder layer in backward: far less activation memory, one more forward")
     g = p.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval-every", type=int, default=D.eval_every,
-                   help="greedy test accuracy before training and every N steps (0 = never)")
+                   help="test accuracy before training and every N steps (0 = never); every example's "
+                        "completions and verdicts go to OUT/eval.jsonl")
+    g.add_argument("--eval-samples", type=int, default=D.eval_samples,
+                   help="completions per test example: with k > 1, mean@k and pass@1, 2, 4, ..., k")
+    g.add_argument("--eval-temperature", type=float, default=D.eval_temperature,
+                   help="evaluation sampling temperature (0 = greedy)")
     g.add_argument("--eval-limit", type=int, default=D.eval_limit, help="evaluate on the first N test examples "
                    "(default: all)")
     g.add_argument("--eval-batch-size", type=int, default=D.eval_batch_size, help="prompts per evaluation batch")
@@ -215,7 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             kl_beta=args.beta, temperature=args.temperature, top_p=args.top_p, tis=args.tis, tis_cap=args.tis_cap,
             steps=args.steps,
             eval_every=args.eval_every, eval_limit=args.eval_limit, eval_batch_size=args.eval_batch_size,
-            eval_max_new_tokens=args.eval_max_new_tokens, save_every=args.save_every,
+            eval_max_new_tokens=args.eval_max_new_tokens, eval_samples=args.eval_samples,
+            eval_temperature=args.eval_temperature, save_every=args.save_every,
             keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,
             seed=args.seed, logprob_chunk_size=args.logprob_chunk_size,
             activation_checkpointing=args.activation_checkpointing, weights=args.weights, parallel=args.parallel,
@@ -230,9 +242,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.compile_policy and args.attn == "reference":
         parser.error("--compile-policy with --attn reference would recompile the policy for every generated token; "
                      "drop --compile-policy, or use the engine (--attn sdpa|triton)")
-    if args.preset != "gsm8k" and args.model_dir is not None:
-        parser.error(f"--preset {args.preset} trains its own tiny random model; drop --model-dir "
-                     "(or use --preset gsm8k)")
+    real_only = [f for f, v in (("--model-dir", args.model_dir), ("--task", args.task != "gsm8k"),
+                                ("--template", args.template != "chat"), ("--reward", args.reward),
+                                ("--question-field", args.question_field), ("--answer-field", args.answer_field)) if v]
+    if args.preset != "gsm8k" and real_only:
+        parser.error(f"--preset {args.preset} trains its own tiny random model on its own task; drop "
+                     f"{', '.join(real_only)} (or use --preset gsm8k)")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here; use --device cpu")
     if args.tensorboard:
@@ -279,18 +294,19 @@ def build_smoke(args):
     return model, tokenizer, train, test, None
 
 
-def build_gsm8k(args, dist: distributed.Dist):
+def build_qa(args, dist: distributed.Dist):
     from minigrpo.model.checkpoint import load_model
     from minigrpo.model.config import ModelConfig
     from minigrpo.model.tokenizer import Tokenizer
     from minigrpo.rl.evaluate import resolve_model_dir
-    from minigrpo.tasks.gsm8k import load_gsm8k
-    from minigrpo.tasks.task import GSM8KTask
+    from minigrpo.tasks.task import load_task
 
     model_dir = resolve_model_dir(args.model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
-    train = GSM8KTask(load_gsm8k("train", args.train_data), tokenizer)
-    test = GSM8KTask(load_gsm8k("test", args.test_data), tokenizer) if args.cfg.eval_every else None
+    flags = dict(template=args.template, reward_mode=args.reward, question_field=args.question_field,
+                 answer_field=args.answer_field)
+    train = load_task(args.task, "train", tokenizer, path=args.train_data, **flags)
+    test = load_task(args.task, "test", tokenizer, path=args.test_data, **flags) if args.cfg.eval_every else None
     check_memory(args, ModelConfig.from_json(model_dir), train, test, dist)  # before any weight is on the device
     model = load_model(model_dir, dtype=WEIGHT_DTYPES[args.weights], device=args.device)  # the trained copy
     return model, tokenizer, train, test, model_dir
@@ -426,7 +442,7 @@ def _train(args, dist, out: Path, argv: list[str]) -> int:
             print(f"run folder: {out}" + (f" (the run that was there is now {aside})" if aside else ""),
                   file=sys.stderr)
         dist.barrier()
-        model, tokenizer, train, test, model_dir = (build_gsm8k(args, dist) if args.preset == "gsm8k"
+        model, tokenizer, train, test, model_dir = (build_qa(args, dist) if args.preset == "gsm8k"
                                                     else build_smoke(args))
         if nonfinite(model):
             raise ValueError(f"the weights in {model_dir} hold NaN or inf; train from a sound model")

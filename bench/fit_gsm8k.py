@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.workload import random_qwen  # noqa: E402
 from minigrpo.model.checkpoint import save_model  # noqa: E402
 from minigrpo.model.tokenizer import Tokenizer  # noqa: E402
-from minigrpo.tasks.gsm8k import build_messages, load_jsonl  # noqa: E402
+from minigrpo.tasks.qa import load_jsonl  # noqa: E402
+from minigrpo.tasks.templates import QWEN_MATH_PROMPT  # noqa: E402
 
 IGNORE = -100  # F.cross_entropy's ignore_index: the pads
 
@@ -52,7 +53,8 @@ def chats(tok: Tokenizer, jsonl: Path, max_len: int, limit: int | None = None) -
     stop token."""
     out = []
     for e in load_jsonl(jsonl)[:limit]:
-        ids = tok.encode_chat(build_messages(e.question) + [{"role": "assistant", "content": e.answer_text}],
+        user = f"{e.question.strip()}\n{QWEN_MATH_PROMPT}"  # the chat template's turn (tasks/templates.py)
+        ids = tok.encode_chat([{"role": "user", "content": user}, {"role": "assistant", "content": e.answer_text}],
                               add_generation_prompt=False)
         out.append(ids[:max_len])
     return out

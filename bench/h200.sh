@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|speed|speedbig
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|speed|speedbig|templates
 # (and `revs`, run here before a device call, not there)
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
@@ -138,8 +138,8 @@ case "${1:-}" in
     done ;;
   engmem)      # issue 17.2: the engine on the bf16 policy's own memory against its private copy (--engine-copy,
                # the behaviour before), LEAN, 8 x 8 x 256, K = 2, beta 0.04, 3 steps, at 0.5B and 7B; per run
-               # the per-step peak GB and seconds (step 1 compiles, step 3 meets a new length bucket), the KV
-               # pool's GB and the sync's seconds (~6 min: 7B weights ~0.5, 0.5B runs ~1 each, 7B runs ~1.5 each)
+               # the per-step peak GB and seconds (step 1 compiles), the KV pool's GB and the sync's seconds
+               # (~6 min: 7B weights ~0.5, 0.5B runs ~1 each, 7B runs ~1.5 each)
     rand 0.5b; rand 7b
     for m in 05b 7b; do
       for mode in copy share; do
@@ -173,6 +173,11 @@ case "${1:-}" in
       OUT=$OUT/$m python3 bench/speed.py --model-dir /tmp/rand$m --data "$DATA" --steps ${STEPS:-5} \
         --variant before=.rev/before --variant after32=.:--micro-batch-size=32 "${@:2}" | sed -n '/^summary/,$p'
     done ;;
-  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|speed|speedbig|revs [args]"
+  templates)   # issue 18: each --template through the engine, 3 steps of 8 x 8 x 256 on the random 0.5B: s/step,
+               # rollout tok/s, how completions ended; a stop-string probe on the engine's output; a sampled
+               # evaluation (r1, 4 samples x 32 test examples). One process, one compile (~3 min in all)
+    rand 0.5b
+    python3 bench/templates.py --model-dir /tmp/rand05b --data "$DATA" "${@:2}" ;;
+  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|speed|speedbig|templates|revs [args]"
      exit 2 ;;
 esac

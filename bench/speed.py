@@ -26,6 +26,7 @@ Results: $OUT/speed.json (every step of every variant) and $OUT/speed_NAME.log; 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -43,7 +44,7 @@ class StandInReward:
     """The GSM8K task's prompts, scored by the parity of the completion's token ids (bench/train_step.py)."""
 
     def __init__(self, task):
-        self.task = task
+        self.task, self.stops = task, getattr(task, "stops", None)  # stops: the task's, since issue 18
 
     def __len__(self):
         return len(self.task)
@@ -104,7 +105,10 @@ def worker(args) -> None:
              "-B", "8", "-G", "8", "--max-new-tokens", "256", "-K", "2", "--beta", "0.04", "--steps", str(args.steps),
              "--eval-every", "0", "--save-every", "0", "--sample-every", "0", "--out", str(out), *LEAN, *args.flags]
     cli = train_cli.parse_args(flags)
-    model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli)
+    from minigrpo.rl.distributed import Dist
+    build = getattr(train_cli, "build_qa", None) or train_cli.build_gsm8k  # build_qa: code since issue 18
+    later = "dist" in inspect.signature(build).parameters  # code since the memory check
+    model, tokenizer, task, _, model_dir = build(cli, *((Dist(),) if later else ()))
     backend = train_cli.build_backend(cli, model, tokenizer, task, None)
     trainer = Trainer(cli.cfg, model, tokenizer, StandInReward(task), backend, out, tokenizer_dir=model_dir)
     lens, training_rows = {}, trainer._training_rows

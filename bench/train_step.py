@@ -44,7 +44,7 @@ class StandInReward:
     """The GSM8K task's prompts, scored by the parity of the completion's token ids (see module doc)."""
 
     def __init__(self, task):
-        self.task = task
+        self.task, self.stops = task, task.stops
         self.longest = 0  # the longest prompt the steps drew: the memory estimate's like-for-like input
 
     def __len__(self):
@@ -71,7 +71,7 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
     # the full-logits flag goes last: it overrides a --logprob-chunk-size among the extra flags
     cli = train_cli.parse_args(flags + (["--compile", comp] if comp else []) + args.extra
                                + (["--logprob-chunk-size", "0"] if full_logits else []))
-    model, tokenizer, task, _, model_dir = train_cli.build_gsm8k(cli, dist)  # DoesNotFit: stops at start
+    model, tokenizer, task, _, model_dir = train_cli.build_qa(cli, dist)  # DoesNotFit: stops at start
     backend = train_cli.build_backend(cli, model, tokenizer, task, None, dist.world)
     reward = StandInReward(task)
     trainer = Trainer(cli.cfg, model, tokenizer, reward, backend, out, tokenizer_dir=model_dir, dist=dist)

@@ -16,7 +16,8 @@ import torch
 from minigrpo.model.config import ModelConfig
 from minigrpo.model.qwen2 import Qwen2ForCausalLM, init_weights
 from minigrpo.model.tokenizer import Tokenizer
-from minigrpo.tasks.gsm8k import build_messages, load_jsonl
+from minigrpo.tasks.qa import load_jsonl
+from minigrpo.tasks.templates import TEMPLATES
 
 
 def data_dir() -> Path:
@@ -42,4 +43,4 @@ def gsm8k_prompts(n: int, split: str = "test") -> tuple[Tokenizer, list[list[int
     """The first n GSM8K questions as chat-templated token ids."""
     tok = Tokenizer.from_dir(qwen_dir())
     examples = load_jsonl(data_dir() / "gsm8k" / f"{split}.jsonl")[:n]
-    return tok, [tok.encode_chat(build_messages(e.question)) for e in examples]
+    return tok, [TEMPLATES["chat"].prompt(tok, e.question) for e in examples]

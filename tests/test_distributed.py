@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 import train  # noqa: E402
 from minigrpo.engine.rollout import make_backend  # noqa: E402
 from minigrpo.rl.distributed import Dist  # noqa: E402
+from minigrpo.rl.evaluate import decoded, evaluate  # noqa: E402
 from minigrpo.rl.trainer import Trainer  # noqa: E402
 
 ARGS = ["--preset", "smoke", "-B", "4", "-G", "8", "--minibatch-size", "8", "--micro-batch-size", "3", "-K", "2",
@@ -133,6 +134,24 @@ def test_resume_two_ranks_and_on_one(runs):
     finally:
         torch.set_num_threads(n)
     assert_close(ref[1]["params"], trainer.model.state_dict())
+
+
+def test_two_ranks_evaluate_their_shares_as_one_process_does(tmp_path):
+    """5 eval examples x 4 samples over 2 ranks (3 and 2 examples): the gathered numbers and records are the
+    single process's, since each completion's seed depends on its example and sample alone."""
+    flags = ["--steps", "1", "--eval-every", "1", "--eval-limit", "5", "--eval-samples", "4", "--eval-temperature", "1"]
+    torchrun(tmp_path / "ddp", *flags)
+    records = [json.loads(ln) for ln in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    args = train.parse_args([*ARGS, "--out", str(tmp_path / "single"), *flags])
+    model, tokenizer, _, test, _ = train.build_smoke(args)
+    want = evaluate(make_backend("reference", model, pad_id=tokenizer.pad_id), test, max_new_tokens=3, limit=5,
+                    samples=4, temperature=1.0, seed=args.seed, progress=False)
+    assert want["reward_mean"] > 0 and want["n"] == 5  # some partial credit: the comparison is not all zeros
+    for key in ("accuracy", "reward_mean", "completion_len_mean", "truncated_frac", "pass@2", "pass@4"):
+        assert records[0][f"eval_{key}"] == want[key], key
+    rows = [json.loads(ln) for ln in (tmp_path / "ddp" / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["index"]) for r in rows] == [(s, i) for s in (0, 1) for i in range(5)]
+    assert [{"step": 0, **r} for r in decoded(want["records"], tokenizer.decode)] == rows[:5]
 
 
 def test_world_size_must_divide_prompts_per_step(tmp_path):

@@ -205,3 +205,36 @@ def test_a_policy_in_another_dtype_is_copied_not_shared():
     assert not torch.equal(engine.model.norm, policy.model.norm.weight.float())  # a private copy
     engine.load_weights(policy)
     assert torch.equal(engine.model.norm, policy.model.norm.weight.float())
+
+
+def test_ends_with_stop_matches_whole_sequences_in_the_output_only():
+    from minigrpo.engine.decode import ANY_TOKEN, NO_STOP, ends_with_stop
+
+    stops = torch.tensor([[ANY_TOKEN, ANY_TOKEN, ANY_TOKEN, 9],      # a stop id
+                          [ANY_TOKEN, 4, 5, 6],                      # 3-token sequences
+                          [ANY_TOKEN, 5, 5, 6],
+                          [NO_STOP] * 4])                            # an unused row
+    out = torch.tensor([[1, 4, 5, 6, 0], [4, 5, 6, 0, 0], [5, 6, 0, 0, 0], [1, 9, 4, 5, 0], [3, 5, 6, 0, 0],
+                        [5, 5, 6, 0, 0]])
+    ctr = torch.tensor([4, 3, 2, 2, 3, 3])  # tokens written so far in each row
+    # row 2 ends with 5, 6 but its output starts there: a sequence never reaches into the prompt (read as
+    # column 0 repeated, 5 5 5 6 would match)
+    assert ends_with_stop(out, ctr, stops).tolist() == [True, True, False, True, False, True]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_stop_sequences_end_the_engine_where_the_reference_is_cut(model, prompts, attn):
+    """Token sequences taken from the reference's own greedy output: the engine stops right after the first
+    occurrence of one, which is where cutting the reference's longer completion at it lands."""
+    ref = reference(model, prompts)
+    long = max(ref.tokens, key=len)
+    seqs = (tuple(long[3:5]), tuple(long[8:11]))  # occur in at least one completion, mid-way
+    out = make_engine(model, attn=attn).generate(prompts, G, 20, GREEDY, stop_ids=STOP + seqs)
+
+    def cut(tokens):  # after the first occurrence of a sequence, or unchanged
+        ends = [k for k in range(1, len(tokens) + 1) if any(tuple(tokens[max(0, k - len(s)):k]) == s for s in seqs)]
+        return tokens[:ends[0]] if ends else tokens
+    assert out.tokens == [cut(t) for t in ref.tokens]
+    assert sum(map(len, out.tokens)) < sum(map(len, ref.tokens))
+    with pytest.raises(ValueError, match="token sequences of 1 to 4 tokens"):
+        make_engine(model).generate(prompts, G, 20, GREEDY, stop_ids=STOP + ((1, 2, 3, 4, 5),))

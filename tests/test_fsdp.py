@@ -53,12 +53,12 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     try:
         reference, ref, rewards = single_process_trainer(tmp / "single"), [], []
-        evals = [_evaluate(reference)]
+        evals = [_evaluate(reference, None)]
         for _ in range(3):
             ref.append(reference.step())
             rewards.append(torch.tensor(reference.last_rollout["rewards"]).view(2, -1, 8))  # (rank, group, G)
             ref[-1]["params"] = {k: v.clone() for k, v in reference.model.state_dict().items()}
-        ref[-1].update(_evaluate(reference))
+        ref[-1].update(_evaluate(reference, None))
     finally:
         torch.set_num_threads(n)
     return tmp, ref, rewards, evals[0]

@@ -31,7 +31,7 @@ from minigrpo.tasks.task import prompt_budget
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["train.py", "--preset", "smoke", "-B", "4", "-G", "4", "--eval-every", "0", "--sample-every", "0"]
 # Keys that measure the machine, not the training: excluded when runs are compared.
-_TIMING = ("time_", "tokens_per_s", "peak_mem", "eval_seconds")
+_TIMING = ("time_", "tokens_per_s", "peak_mem", "eval_seconds", "examples_per_s")
 
 
 def _env() -> dict:

@@ -15,6 +15,7 @@ from minigrpo.model.checkpoint import save_model
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = SHARED_DATA / "gsm8k"
+TINY = REPO / "tests" / "data" / "tiny_qa.jsonl"
 
 
 def run(args, cwd=REPO, timeout=300, **env):
@@ -55,6 +56,11 @@ def test_help_documents_every_flag_and_each_default_once():
 @pytest.mark.parametrize("args, message", [
     (["--preset", "smoke", "--minibatch-size", "7"], "--minibatch-size 7 must divide the B*G = 128 rows"),
     (["--preset", "smoke", "--model-dir", "x"], "--preset smoke trains its own tiny random model"),
+    (["--preset", "smoke", "--template", "r1"], "--preset smoke trains its own tiny random model on its own task; "
+                                                "drop --template"),
+    (["--eval-samples", "4"], "--eval-samples=4 needs --eval-temperature > 0"),
+    (["--task", "jsonl", "--model-dir", str(QWEN_DIR), "--eval-every", "0"],
+     "--task jsonl reads local files only: pass --train-data FILE.jsonl"),
     (["--model-dir", "/nonexistent/model"], "/nonexistent/model is not a model directory"),
     (["--device", "banana"], "--device banana: not a torch device; use cpu, cuda or cuda:N"),
     (["--lr", "inf"], "--lr must be a finite number, got inf"),
@@ -146,9 +152,46 @@ def test_standalone_evaluation(tmp_path, tiny_qwen_dir):
                 str(GSM8K / "test.jsonl"), "--limit", "3", "--max-new-tokens", "4", "--device", "cpu",
                 "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "greedy accuracy 0.0000 on 3 GSM8K test examples" in proc.stdout  # a random model is never right
+    assert "greedy accuracy 0.0000 on 3 gsm8k test examples (chat template" in proc.stdout  # random: never right
     rows = [json.loads(ln) for ln in out.read_text().splitlines()]
-    assert len(rows) == 3 and {"question", "ground_truth", "completion", "correct"} <= set(rows[0])
+    assert len(rows) == 3 and {"question", "ground_truth", "completions", "correct"} <= set(rows[0])
+
+
+def test_sampled_evaluation_of_any_jsonl(tmp_path, tiny_qwen_dir):
+    out = tmp_path / "eval.jsonl"
+    proc = run(["-m", "minigrpo.rl.evaluate", "--model-dir", str(tiny_qwen_dir), "--task", "jsonl", "--test-data",
+                str(TINY), "--question-field", "q", "--answer-field", "a", "--reward", "boxed", "--template", "r1",
+                "--eval-samples", "4", "--eval-temperature", "1", "--max-new-tokens", "4", "--device", "cpu",
+                "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mean@4 0.0000, pass@1 0.0000, pass@2 0.0000, pass@4 0.0000 on 5 jsonl test examples (r1 template" \
+        in proc.stdout and "examples/s" in proc.stdout
+    rows = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == list(range(5)) and all(len(r["completions"]) == 4 for r in rows)
+    proc = run(["-m", "minigrpo.rl.evaluate", "--model-dir", str(tiny_qwen_dir), "--eval-samples", "4"])
+    assert proc.returncode == 2 and "pass --eval-temperature > 0" in proc.stderr.splitlines()[-1]
+
+
+def test_r1_template_on_a_jsonl_trains_and_evaluates_by_sampling(tmp_path, tiny_qwen_dir):
+    proc = run(["train.py", "--model-dir", str(tiny_qwen_dir), "--task", "jsonl", "--train-data", str(TINY),
+                "--test-data", str(TINY), "--question-field", "q", "--answer-field", "a", "--reward", "boxed",
+                "--template", "r1", "--device", "cpu", "-B", "2", "-G", "2", "--max-new-tokens", "3",
+                "--eval-every", "1", "--eval-samples", "2", "--eval-temperature", "1", "--steps", "1",
+                "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1] and all("eval_pass@2" in r for r in records)
+    rows = [json.loads(ln) for ln in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["index"]) for r in rows] == [(s, i) for s in (0, 1) for i in range(5)]
+
+
+def test_math_offline_is_one_line_naming_the_flag(tmp_path, tiny_qwen_dir):
+    proc = run(["-m", "minigrpo.rl.evaluate", "--model-dir", str(tiny_qwen_dir), "--task", "math", "--device", "cpu"],
+               HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith("error: Could not download HuggingFaceH4/MATH-500/test.jsonl from the Hugging "
+                                  "Face Hub")
+    assert proc.stderr.strip().endswith("--test-data .../test.jsonl.")
 
 
 def test_a_run_that_would_not_fit_stops_at_start_naming_a_setting_that_does(tmp_path, tiny_qwen_dir, monkeypatch,
@@ -160,14 +203,13 @@ def test_a_run_that_would_not_fit_stops_at_start_naming_a_setting_that_does(tmp_
     import train
     from minigrpo.model.config import ModelConfig
     from minigrpo.model.tokenizer import Tokenizer
-    from minigrpo.tasks.gsm8k import load_gsm8k
-    from minigrpo.tasks.task import GSM8KTask
+    from minigrpo.tasks.task import load_task
 
     path = _small_train_file(tmp_path)
     argv = ["--model-dir", str(tiny_qwen_dir), "--train-data", str(path), "--eval-every", "0", "--device", "cpu",
             "--attn", "sdpa", "-B", "2", "-G", "2", "--max-new-tokens", "3", "--steps", "1", "--save-every", "0"]
     args = train.parse_args(argv)
-    task = GSM8KTask(load_gsm8k("train", path), Tokenizer.from_dir(tiny_qwen_dir))
+    task = load_task("gsm8k", "train", Tokenizer.from_dir(tiny_qwen_dir), path=path)
     peak = train.memory_estimator(args, ModelConfig.from_json(tiny_qwen_dir), task, None)
     lean = replace(args.cfg, weights="bf16", activation_checkpointing=True, logprob_chunk_size=256)
     free = int(peak(lean).total * (1 + train.MEMORY_MARGIN)) + 1

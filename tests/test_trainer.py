@@ -18,6 +18,7 @@ from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.metrics import MetricsLogger, PhaseTimer
 from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
+from minigrpo.tasks.templates import Stops
 
 STOP, PAD = 31, 0
 
@@ -40,6 +41,7 @@ class FakeTokenizer:
 
 class FakeTask:
     """Prompts given as token lists; reward 1 iff the completion starts with token 10."""
+    stops = Stops((STOP,))
 
     def __init__(self, prompts):
         self.prompts = prompts
@@ -479,7 +481,7 @@ def test_greedy_evaluation_counts_exact_answers():
             assert params.greedy and samples_per_prompt == 1
             return Rollout([answers[[task.prompt(i) for i in range(4)].index(p)] for p in prompts], [])
 
-    res = evaluate(Answering(), task, stop_ids=(eos,), max_new_tokens=3, batch_size=3, progress=False)
+    res = evaluate(Answering(), task, max_new_tokens=3, batch_size=3, progress=False)
     assert res["accuracy"] == 0.5 and res["reward_mean"] == (1 + 0.5 + 0 + 1) / 4 and res["n"] == 4
     assert res["truncated_frac"] == 0.25  # example 1 has no stop token
 
@@ -516,16 +518,18 @@ def test_tensorboard_logs_or_says_how_to_install_it(tmp_path):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_gsm8k_task_prompt_and_reward():
+def test_qa_task_prompt_and_reward():
     if not QWEN_DIR.exists():
         pytest.skip(f"Qwen tokenizer files not found at {QWEN_DIR}")
     from minigrpo.model.tokenizer import Tokenizer
-    from minigrpo.tasks.gsm8k import Example, build_messages
-    from minigrpo.tasks.task import GSM8KTask
+    from minigrpo.tasks.qa import Example
+    from minigrpo.tasks.task import QATask
+    from minigrpo.tasks.templates import QWEN_MATH_PROMPT
 
     tokenizer = Tokenizer.from_dir(QWEN_DIR)
-    task = GSM8KTask([Example("How many legs do 2 cats have?", "2*4=8\n#### 8", "8")], tokenizer)
-    assert task.prompt(0) == tokenizer.encode_chat(build_messages("How many legs do 2 cats have?"))
+    task = QATask([Example("How many legs do 2 cats have?", "2*4=8\n#### 8", "8")], tokenizer)  # chat, numeric
+    user = "How many legs do 2 cats have?\n" + QWEN_MATH_PROMPT
+    assert task.prompt(0) == tokenizer.encode_chat([{"role": "user", "content": user}])
     assert task.score(0, tokenizer.encode("So \\boxed{8}.<|im_end|>")) == (1.0, True)
     assert task.score(0, tokenizer.encode("So \\boxed{9}.<|im_end|>")) == (0.0, False)
 

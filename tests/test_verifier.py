@@ -1,6 +1,7 @@
 """Reward verifier: hand-written cases for both answer formats, and a fuzz test that it never raises or hangs."""
 
 import random
+import sys
 import time
 
 import pytest
@@ -161,3 +162,35 @@ def test_fuzz_never_raises_and_is_fast():
         assert value is None or isinstance(value, float)
     elapsed = time.perf_counter() - start
     assert elapsed < 10.0, f"fuzz took {elapsed:.1f}s: some input is slow (backtracking?)"
+
+
+@pytest.mark.parametrize("answer, truth, mode, delimited, expected", [
+    ("so \\boxed{42}", "42.0", "numeric", False, 1.0),          # numeric: the GSM8K check
+    ("so \\boxed{Paris}", "paris", "exact", False, 1.0),         # exact: case, $ and \text{} do not count
+    ("so \\boxed{\\text{Paris}}.", "$Paris$", "exact", False, 1.0),
+    ("so \\boxed{Lyon}", "Paris", "exact", False, 0.0),
+    ("Paris", "Paris", "exact", False, 0.0),                     # not delimited: the answer must be boxed
+    (" Paris ", "Paris", "exact", True, 1.0),                    # an <answer> tag's content is the answer
+    ("\\boxed{0.5}", "\\frac{1}{2}", "exact", False, 0.0),       # exact is text, not value
+    ("\\boxed{0.5}", "\\frac{1}{2}", "boxed", False, 1.0),       # boxed: equal as numbers
+    ("\\boxed{\\frac{1}{2}} and \\boxed{\\dfrac{3}{4}}", "0.75", "boxed", False, 1.0),  # the last box
+    ("\\boxed{x^{2}}", "x^{2}", "boxed", False, 1.0),           # nested braces, equal as text
+    ("no box here: 0.75", "0.75", "boxed", False, 0.0),
+    (None, "4", "numeric", False, 0.0),                          # the template's format was not met
+])
+def test_reward_modes(answer, truth, mode, delimited, expected):
+    assert reward(answer, truth, mode, delimited) == expected
+
+
+@pytest.mark.parametrize("answer, truth, expected", [
+    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0),                   # radicals
+    ("\\boxed{(1,2]}", "(1, 2]", 1.0),                           # intervals
+    ("\\boxed{[1, 2]}", "(1, 2]", 0.0),
+    ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{x + 1}", "1 + x", 1.0),                            # expressions
+])
+def test_boxed_mode_is_symbolic_with_math_verify(answer, truth, expected, monkeypatch):
+    pytest.importorskip("math_verify", reason="the optional extra minigrpo[math]")
+    assert reward(answer, truth, "boxed") == expected
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # not installed: the numeric check alone
+    assert reward(answer, truth, "boxed") == (expected if "frac" in truth else 0.0)

@@ -163,12 +163,26 @@ def sample_tokens(logits, params: SamplingParams, seed, ctr, sampler: str):
     return sample(logits, params, seed, ctr)
 
 
+ANY_TOKEN, NO_STOP = -1, -3  # in a row of `stops`: pads a shorter sequence on the left / marks a row unused
+
+
+def ends_with_stop(out_tok, ctr, stops):
+    """(B,) bool: whether each slot's first ctr output tokens end with one of the stop sequences.
+
+    out_tok (B, W), ctr (B,), stops (n_stop, L) int64: token sequences right-aligned and padded on the
+    left with ANY_TOKEN (a stop id is ANY_TOKEN x (L-1) then the id); unused rows hold NO_STOP."""
+    L = stops.shape[1]
+    idx = ctr[:, None] - L + torch.arange(L, device=ctr.device)                      # (B, L) the last L columns
+    last = out_tok.gather(1, idx.clamp(min=0)).masked_fill(idx < 0, -2)              # before the output: no token
+    return ((last[:, None, :] == stops) | (stops == ANY_TOKEN)).all(-1).any(-1)
+
+
 def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp,
             sampler: str = "torch") -> None:
     """Sample each live slot's next token and update the slot state in place (no host sync).
 
-    tok/pos/ctr/seed/limit (B,) int64, done (B,) bool, stops (n_stop,) int64, out_tok/out_logp (B, W).
-    A finished slot keeps its state; its sample goes to the scratch column W-1.
+    tok/pos/ctr/seed/limit (B,) int64, done (B,) bool, stops (n_stop, L) int64 (`ends_with_stop`),
+    out_tok/out_logp (B, W). A finished slot keeps its state; its sample goes to the scratch column W-1.
     """
     live = ~done
     new_tok, new_logp = sample_tokens(logits, params, seed, ctr, sampler)           # (B,), (B,)
@@ -179,7 +193,7 @@ def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, st
     ctr.add_(step)
     pos.add_(step)
     tok.copy_(torch.where(live, new_tok, tok))
-    done.logical_or_(live & (torch.isin(new_tok, stops) | (ctr >= limit)))
+    done.logical_or_(live & (ends_with_stop(out_tok, ctr, stops) | (ctr >= limit)))
 
 
 def decode_step(model: DecodeModel, attn: str, params: SamplingParams, tok, pos, ctr, seed, limit, done,

@@ -11,7 +11,7 @@ How a rollout runs:
 2. Prefill: each admitted prompt runs once; its K/V go straight into pages. The G samples share the full
    pages (reference count G); the partial last page is copied into each sample's first private page.
 3. Decode: `decode_step` over a fixed-size bucket of slots, `sync_every` times in a row with no host
-   involvement: stop ids and token budgets are tracked by on-device masks.
+   involvement: stop ids, stop token sequences and token budgets are tracked by on-device masks.
 4. Sync: the host reads the done mask once, returns finished sequences' pages, and compacts the
    survivors to the front, so the next steps run at the smallest bucket that holds them. It reads the
    mask as of the round's next-to-last step while the last step runs, so the GPU never waits on the
@@ -31,9 +31,9 @@ from collections import deque
 import torch
 
 from minigrpo.engine.config import EngineConfig
-from minigrpo.engine.decode import DecodeModel, sample_tokens
+from minigrpo.engine.decode import ANY_TOKEN, NO_STOP, DecodeModel, ends_with_stop, sample_tokens
 from minigrpo.engine.kv_cache import SCRATCH_PAGE, KVCache, OutOfPages
-from minigrpo.engine.runner import MAX_STOP_IDS, SlotState, StepRunner
+from minigrpo.engine.runner import MAX_STOPS, STOP_LEN, SlotState, StepRunner
 from minigrpo.model.config import ModelConfig
 from minigrpo.model.generate import Rollout
 from minigrpo.model.qwen2 import Qwen2ForCausalLM
@@ -86,8 +86,10 @@ class Engine:
         self._check_request(prompts, G, max_new_tokens, stop_ids, seeds)
         seeds = list(seeds) if seeds is not None else list(range(N))
         st = self.state
-        st.stops.fill_(-1)
-        st.stops[:len(stop_ids)] = torch.tensor(list(stop_ids), dtype=torch.int64)
+        st.stops.fill_(NO_STOP)  # a stop id or token sequence per row, right-aligned (decode.ends_with_stop)
+        for row, s in enumerate(stop_ids):
+            s = (s,) if isinstance(s, int) else tuple(s)
+            st.stops[row] = torch.tensor((ANY_TOKEN,) * (STOP_LEN - len(s)) + s)
         waiting = deque(range(len(prompts)))
         slot_seq: list[int] = []             # host mirror: sequence id of each live slot, in slot order
         seq_pages: dict[int, list[int]] = {}
@@ -157,8 +159,9 @@ class Engine:
         if longest + max_new_tokens > self.cfg.max_seq_len:
             raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the engine's "
                              f"max_seq_len {self.cfg.max_seq_len}; raise EngineConfig.max_seq_len")
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
+        if len(stop_ids) > MAX_STOPS or any(not isinstance(s, int) and not 0 < len(s) <= STOP_LEN for s in stop_ids):
+            raise ValueError(f"at most {MAX_STOPS} stop ids or token sequences of 1 to {STOP_LEN} tokens, got "
+                             f"{stop_ids}")
         if seeds is not None and len(seeds) != len(prompts) * G:
             raise ValueError(f"need one seed per sequence ({len(prompts) * G}), got {len(seeds)}")
         vocab = self.model_cfg.vocab_size
@@ -209,5 +212,5 @@ class Engine:
         st.block_table[rows] = table.to(dev)
         st.out_tok[rows, 0] = first
         st.out_logp[rows, 0] = first_logp
-        st.done[rows] = torch.isin(first, st.stops) | (max_new <= 1)
+        st.done[rows] = ends_with_stop(st.out_tok[rows], st.ctr[rows], st.stops) | (max_new <= 1)
         slot_seq.extend(seq_ids)

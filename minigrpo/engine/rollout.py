@@ -5,9 +5,12 @@ The trainer talks to a backend through two calls, the same ones `minigrpo.engine
     generate(prompts, samples_per_prompt, max_new_tokens, params, stop_ids, seeds) -> Rollout
     load_weights(model)      # the policy's current weights, after each update (the "weight sync")
 
-`seeds` holds one seed per completion (len(prompts) * samples_per_prompt), group-major like the result:
-with counter-based sampling a completion is a pure function of (weights, prompt, seed), so a rollout is
-reproducible whatever the batch composition, and an exact resume needs no sampler state.
+`stop_ids` holds stop token ids, and token sequences (tuples) that end a completion too: the engine stops
+on them in its decode loop, an early exit for stop strings that the caller cuts at anyway (the reference
+generator ignores them). `seeds` holds one seed per completion (len(prompts) * samples_per_prompt),
+group-major like the result: with counter-based sampling a completion is a pure function of (weights,
+prompt, seed), so a rollout is reproducible whatever the batch composition, and an exact resume needs no
+sampler state.
 
 `ReferenceBackend` runs `minigrpo.model.generate.generate` on the policy module itself: no KV cache, slow and
 obviously correct, the CPU backend. Since it *is* the policy, there is nothing to sync. The fast engine
@@ -33,7 +36,7 @@ ATTN_BACKENDS = ("reference", "eager", "sdpa", "triton")
 
 class RolloutBackend(Protocol):
     def generate(self, prompts: list[list[int]], samples_per_prompt: int, max_new_tokens: int,
-                 params: SamplingParams, stop_ids: tuple[int, ...], seeds: list[int]) -> Rollout: ...
+                 params: SamplingParams, stop_ids: tuple[int | tuple[int, ...], ...], seeds: list[int]) -> Rollout: ...
 
     def load_weights(self, model: Qwen2ForCausalLM) -> None: ...
 
@@ -57,7 +60,8 @@ class ReferenceBackend:
         self.model.eval()
         try:
             with amp:
-                return generate(self.model, expanded, max_new_tokens, params=params, stop_ids=tuple(stop_ids),
+                ids = tuple(s for s in stop_ids if isinstance(s, int))  # token sequences: the engine's early exit
+                return generate(self.model, expanded, max_new_tokens, params=params, stop_ids=ids,
                                 pad_id=self.pad_id, seeds=list(seeds))
         finally:
             self.model.train(was_training)

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from minigrpo.engine.config import EngineConfig
-from minigrpo.engine.decode import DecodeModel, advance, decode_step
+from minigrpo.engine.decode import NO_STOP, DecodeModel, advance, decode_step
 from minigrpo.engine.kv_cache import SCRATCH_PAGE, KVCache
 from minigrpo.model.sampling import SamplingParams
 
-MAX_STOP_IDS = 8
+MAX_STOPS, STOP_LEN = 16, 4  # stop ids and stop token sequences of up to STOP_LEN tokens, per request
 
 
 class SlotState:
@@ -40,7 +40,7 @@ class SlotState:
         self.block_table = z(capacity, table_width, dtype=torch.int32)      # (B, M)
         self.out_tok = z(capacity, out_width)                               # (B, W); column W-1 is scratch
         self.out_logp = z(capacity, out_width, dtype=torch.float32)         # (B, W)
-        self.stops = torch.full((MAX_STOP_IDS,), -1, dtype=torch.int64, device=device)
+        self.stops = torch.full((MAX_STOPS, STOP_LEN), NO_STOP, dtype=torch.int64, device=device)
         # Host copy of `done`, pinned so the device-to-host copy can run behind the next step.
         self.done_host = torch.ones(capacity, dtype=torch.bool, pin_memory=torch.device(device).type == "cuda")
 

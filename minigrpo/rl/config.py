@@ -44,6 +44,8 @@ class TrainConfig:
     eval_limit: int | None = None     # evaluate on the first N eval examples; None = all
     eval_batch_size: int = 128
     eval_max_new_tokens: int | None = None  # None = max_new_tokens
+    eval_samples: int = 1             # k completions per eval example: mean@k and pass@k (evaluate.py)
+    eval_temperature: float = 0.0     # 0 = greedy
     save_every: int = 50              # 0 = only at the end
     keep_checkpoints: int = 2         # 0 = keep all
     sample_every: int = 10            # write a few decoded completions to samples.jsonl; 0 = never
@@ -74,7 +76,7 @@ class TrainConfig:
             if any(isinstance(v, float) and not math.isfinite(v) for v in values):
                 raise ValueError(f"{f.name} must be a finite number, got {value}")
         positive = ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "inner_epochs",
-                    "micro_batch_size", "score_batch_size", "steps", "eval_batch_size")
+                    "micro_batch_size", "score_batch_size", "steps", "eval_batch_size", "eval_samples")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -85,6 +87,9 @@ class TrainConfig:
         rows = self.prompts_per_step * self.samples_per_prompt
         if self.minibatch_size and rows % self.minibatch_size:
             raise ValueError(f"minibatch_size {self.minibatch_size} must divide the B*G = {rows} rows of a step")
+        if self.eval_samples > rows:
+            raise ValueError(f"eval_samples {self.eval_samples} must be <= the B*G = {rows} rows of a step (the "
+                             f"rollout engine's batch)")
         if self.samples_per_prompt < 2:
             raise ValueError("samples_per_prompt must be >= 2: a group of one always has zero advantage")
         if self.weights not in WEIGHT_DTYPES:
@@ -105,6 +110,9 @@ class TrainConfig:
             raise ValueError(f"need 0 < eps < 1 and eps_high > 0, got eps={self.eps}, eps_high={self.eps_high}")
         if not 0 < self.lr < 1:  # AdamW moves every weight by up to ~lr per step: 1 erases a model at once
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")
+        if self.eval_temperature < 0 or (self.eval_samples > 1 and self.eval_temperature == 0):
+            raise ValueError(f"eval_samples={self.eval_samples} needs eval_temperature > 0 (greedy samples are copies "
+                             f"of one completion), and eval_temperature must be >= 0; got {self.eval_temperature}")
         for name in ("kl_beta", "weight_decay", "max_grad_norm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -112,8 +120,8 @@ class TrainConfig:
 
 # Settings that may change when resuming: they do not alter the training trajectory (parallel, like the
 # world size, only the rounding: checkpoints hold the full state either way).
-RESUMABLE_CHANGES = {"steps", "eval_every", "eval_limit", "eval_batch_size", "eval_max_new_tokens",
-                     "save_every", "keep_checkpoints", "sample_every", "num_samples", "parallel"}
+RESUMABLE_CHANGES = {"steps", "eval_every", "eval_limit", "eval_batch_size", "eval_max_new_tokens", "eval_samples",
+                     "eval_temperature", "save_every", "keep_checkpoints", "sample_every", "num_samples", "parallel"}
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

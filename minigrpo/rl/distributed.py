@@ -60,6 +60,14 @@ class Dist:
         tdist.all_gather(parts, x)
         return torch.cat(parts).to(t.device)
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's picklable `obj`, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        tdist.all_gather_object(out, obj)
+        return out
+
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         return self._all_reduce(t, tdist.ReduceOp.SUM)
 

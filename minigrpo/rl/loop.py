@@ -4,8 +4,8 @@ schedule, and a clean stop on Ctrl-C, SIGTERM or a NaN.
     history = run(trainer)
 
 `Trainer.step` is the algorithm (trainer.py); this is the bookkeeping a real run needs around it. Rank 0
-alone logs and writes; every rank steps, evaluates its share of the examples and saves together
-(evaluation sums over ranks, checkpoints are collective).
+alone logs and writes; every rank steps, evaluates its share of the eval examples and saves together
+(evaluation and checkpoints are collective).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from minigrpo.rl.evaluate import evaluate
+from minigrpo.rl.evaluate import decoded, evaluate
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.metrics import MetricsLogger
 from minigrpo.run.stopping import Interrupted, NonFiniteError, StopSignals, nonfinite
@@ -33,9 +33,9 @@ def run(trainer: Trainer) -> list[dict]:
     try:
         with StopSignals() as signals:
             if evaluating and t.step_idx == 0:
-                m = {"step": 0, **_evaluate(t)}
+                record = {"step": 0, **_evaluate(t, logger)}
                 if main:
-                    logger.log(m)
+                    logger.log(record)
             while t.step_idx < cfg.steps:
                 signum = int(t.dist.max(torch.tensor(signals.received or 0)))  # any rank's signal stops all
                 if signum:
@@ -48,7 +48,7 @@ def run(trainer: Trainer) -> list[dict]:
                     raise NonFiniteError(t.step_idx, bad)
                 done = t.step_idx == cfg.steps
                 if evaluating and (t.step_idx % cfg.eval_every == 0 or done):
-                    m.update(_evaluate(t))
+                    m.update(_evaluate(t, logger))
                 if main and cfg.sample_every and t.step_idx % cfg.sample_every == 0:
                     logger.log_samples(t.step_idx, _samples(t))
                 if main:
@@ -65,12 +65,15 @@ def run(trainer: Trainer) -> list[dict]:
     return history
 
 
-def _evaluate(t: Trainer) -> dict:
-    """Greedy accuracy on the eval task through the rollout backend, as eval_* metrics."""
+def _evaluate(t: Trainer, logger: MetricsLogger | None) -> dict:
+    """Accuracy on the eval task through the rollout backend (greedy, or pass@k / mean@k), as eval_* metrics;
+    every rank evaluates its share, and the logger (rank 0's) writes each example to eval.jsonl."""
     cfg = t.cfg
-    res = evaluate(t.backend, t.eval_task, stop_ids=t.stop_ids, limit=cfg.eval_limit,
-                   max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.eval_batch_size,
-                   progress=t.dist.is_main, dist=t.dist)
+    res = evaluate(t.backend, t.eval_task, limit=cfg.eval_limit, samples=cfg.eval_samples,
+                   temperature=cfg.eval_temperature, seed=cfg.seed, dist=t.dist,
+                   max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.eval_batch_size)
+    if logger is not None:
+        logger.log_eval(t.step_idx, decoded(res["records"], t.tokenizer.decode))
     return {f"eval_{k}": v for k, v in res.items() if k != "records"}
 
 

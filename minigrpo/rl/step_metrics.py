@@ -14,12 +14,13 @@ from minigrpo.rl.grpo import mismatch_stats
 from minigrpo.run.metrics import PhaseTimer
 
 
-def rollout_metrics(completions: list[list[int]], rewards: torch.Tensor, correct: list[bool],
-                    informative: torch.Tensor, trained: torch.Tensor, stop_ids, dist: Dist) -> dict:
+def rollout_metrics(completions: list[list[int]], stopped: list[bool], rewards: torch.Tensor, correct: list[bool],
+                    informative: torch.Tensor, trained: torch.Tensor, dist: Dist) -> dict:
     """Rollout statistics over all N rows: each rank's R rows, gathered in rank (= global row) order.
-    rewards, informative (R,): this rank's; trained (N,): already gathered."""
-    stats = dist.gather(torch.tensor([[len(c), ok, not set(c) & set(stop_ids)]
-                                      for c, ok in zip(completions, correct)], dtype=torch.int64))   # (N, 3)
+    stopped (R,): whether each completion ended at a stop; rewards, informative (R,): this rank's; trained
+    (N,): already gathered."""
+    stats = dist.gather(torch.tensor([[len(c), ok, not s] for c, ok, s in zip(completions, correct, stopped)],
+                                     dtype=torch.int64))                                                # (N, 3)
     all_rewards, lens, N = dist.gather(rewards), stats[:, 0], len(trained)
     return {"reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std(0).item(),
             "accuracy": int(stats[:, 1].sum()) / N,

@@ -108,7 +108,7 @@ class Trainer:
         self.out_dir, self.tensorboard, self.echo = Path(out_dir), tensorboard, echo
         self.device = next(model.parameters()).device
         self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.weights == "fp32" else None
-        self.stop_ids, self.pad_id = tuple(tokenizer.stop_ids), tokenizer.pad_id
+        self.stops, self.pad_id = task.stops, tokenizer.pad_id
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
         # The KL anchor is the policy as it is now, before any update (also when resuming: see resume()).
         self.ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.kl_beta > 0 else None
@@ -148,15 +148,15 @@ class Trainer:
         lr = self._begin_step()
         timer = PhaseTimer(self.device, ("rollout", "reward", "logprobs", "update", "sync"))
 
-        examples, prompts, rollout = self._rollout()                                            # 1. rollout
+        examples, prompts, rollout, stopped = self._rollout()                                   # 1. rollout
         timer.lap("rollout")
         rewards, correct = self._rewards(examples, rollout)                                     # 2. reward (R,)
         adv = group_advantages(rewards, G)                                                      # (R,)
         informative = nonzero_groups(adv, G)                                                    # 3. filter (R,)
         train = informative if cfg.kl_beta == 0 else torch.ones_like(informative)               # (R,)
         trained = self.dist.gather(train)                                                       # (N,) all ranks
-        m = {"step": self.step_idx, **rollout_metrics(rollout.tokens, rewards, correct, informative, trained,
-                                                     self.stop_ids, self.dist), "lr": lr}
+        m = {"step": self.step_idx, **rollout_metrics(rollout.tokens, stopped, rewards, correct, informative,
+                                                     trained, self.dist), "lr": lr}
         timer.lap("reward")
 
         if not trained.any():  # no group on any rank has a reward spread (and beta = 0): nothing to learn
@@ -189,16 +189,17 @@ class Trainer:
 
     def _rollout(self):
         """Stage 1: this rank's b = B/W prompts of the global order and their b*G completions, each sampled
-        from its own seed. Returns (example indices, prompt token lists, Rollout)."""
+        from its own seed and cut after its first stop (the task's stop strings are found on the host).
+        Returns (example indices, prompt token lists, Rollout, whether each completion stopped)."""
         cfg, dist = self.cfg, self.dist  # W ranks; W = 1 without torchrun, where every dist call is the identity
         examples = dist.shard(self.sampler.next(cfg.prompts_per_step))
         seeds = dist.shard(derive_seeds(cfg.seed, _ROLLOUT, self.step_idx, cfg.rows_per_step))
         prompts = [self.task.prompt(i) for i in examples]
         rollout = self.backend.generate(prompts, cfg.samples_per_prompt, cfg.max_new_tokens, self.params,
-                                        self.stop_ids, seeds)
+                                        self.stops.backend_stops, seeds)
         if len(rollout.tokens) != len(seeds):
             raise RuntimeError(f"rollout backend returned {len(rollout.tokens)} completions, expected {len(seeds)}")
-        return examples, prompts, rollout
+        return examples, prompts, *self.stops.cut(rollout)
 
     def _rewards(self, examples: list[int], rollout) -> tuple[torch.Tensor, list[bool]]:
         """Stage 2: the task's reward of each completion (R,), and whether each is exactly correct."""
@@ -215,7 +216,7 @@ class Trainer:
         kept = train.nonzero().squeeze(1).tolist()
         index = kept or [0]
         batch = SequenceBatch.build([prompts[r // G] for r in index], [rollout.tokens[r] for r in index],
-                                    pad_id=self.pad_id, stop_ids=self.stop_ids, device=self.device)
+                                    pad_id=self.pad_id, stop_ids=self.stops.ids, device=self.device)
         offset = self.dist.rank * len(train)  # the global index of this rank's first rollout row
         most = max(1, int(trained.view(self.dist.world, -1).sum(1).max()))  # the most rows of one rank
         return _Rows(batch, adv[index].to(self.device), pad_rows([rollout.logprobs[r] for r in index], batch.C,

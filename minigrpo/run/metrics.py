@@ -1,6 +1,7 @@
 """Metric logging: one readable stdout line per step, `metrics.jsonl` (one JSON object per step), optional
-TensorBoard, and `samples.jsonl` (a few decoded completions now and then, to read what the policy does);
-and `PhaseTimer`, which measures the time_* keys.
+TensorBoard, `samples.jsonl` (a few decoded completions now and then, to read what the policy does),
+`eval.jsonl` (every evaluated example, its completions and verdicts, per evaluation); and `PhaseTimer`,
+which measures the time_* keys.
 
 jsonl is the source of truth: append-only, flushed every step, trivially loaded with pandas. A fresh
 logger refuses a folder that already has records (it never deletes them). On resume, records past the
@@ -10,8 +11,8 @@ that a crash cut short, so the file reads as one uninterrupted run.
 Step record keys (rollout statistics are over all B*G completions; entropy and the mismatch keys only over
 the rows that were trained on, since with kl_beta = 0 zero-advantage groups get no forward pass):
   reward_mean/std, accuracy (exactly correct), zero_spread_frac (rows in groups with all-equal rewards),
-  completion_len_mean/max, completion_tokens (in all N completions), truncated_frac (no stop token within
-  max_new_tokens), trained_rows,
+  completion_len_mean/max, completion_tokens (in all N completions), truncated_frac (no stop token or stop
+  string within max_new_tokens), trained_rows,
   loss (per optimizer step, mean), clip_frac (tokens where the PPO clip bound), kl (k3 to the reference;
   only with kl_beta > 0), entropy (per token, at the sampling temperature), grad_norm (pre-clip, mean over
   optimizer steps), logp_diff_mean/max (|rollout engine log-prob - trainer log-prob| of the sampled tokens:
@@ -20,7 +21,8 @@ the rows that were trained on, since with kl_beta = 0 zero-advantage groups get 
   tis_capped_frac (tokens whose weight the cap bound), lr, time_{rollout,reward,logprobs,update,sync,step} (seconds),
   rollout_tokens_per_s and tokens_per_s (completion tokens / rollout time, / step time), compile_s (seconds of
   the step spent in torch.compile, part of time_step), peak_mem_gb (CUDA; 0 on CPU), skipped_update (only
-  when no group had any reward spread), eval_* (evaluation steps).
+  when no group had any reward spread), eval_* (evaluation steps: evaluate.py's keys, e.g. eval_accuracy,
+  eval_pass@4).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ _LINE = [
     ("time_sync", "sync", "{:.3f}s", "seconds copying the weights to the rollout engine"),
     ("compile_s", "comp", "{:.1f}s", "seconds of the step spent compiling (torch.compile)"),
     ("peak_mem_gb", "mem", "{:.1f}G", "peak GPU memory"),
-    ("eval_accuracy", "EVAL acc", "{:.4f}", "greedy test accuracy"),
+    ("eval_accuracy", "EVAL acc", "{:.4f}", "test accuracy (mean over --eval-samples)"),
 ]
 LEGEND = "columns: " + "; ".join(f"{label} = {meaning}" for _, label, _, meaning in _LINE if meaning)
 
@@ -77,19 +79,27 @@ def _truncate_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def _append(path: Path, step: int, rows: list[dict]) -> None:
+    with path.open("a") as f:
+        for r in rows:
+            f.write(json.dumps({"step": step, **r}) + "\n")
+
+
 class MetricsLogger:
     def __init__(self, out_dir: str | Path, *, tensorboard: bool = False, resume_step: int | None = None,
                  echo: bool = True):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path, self.samples_path = self.out_dir / "metrics.jsonl", self.out_dir / "samples.jsonl"
+        self.eval_path = self.out_dir / "eval.jsonl"
+        paths = (self.metrics_path, self.samples_path, self.eval_path)
         if resume_step is None:  # a fresh run never writes over (or after) another run's records
-            for p in (self.metrics_path, self.samples_path):
+            for p in paths:
                 if p.exists():
                     raise FileExistsError(f"{p} exists: it holds another run's records; resume that run or "
                                           f"write to a new folder")
         else:
-            for p in (self.metrics_path, self.samples_path):
+            for p in paths:
                 _truncate_after(p, resume_step)
         self.echo = echo
         if echo:
@@ -118,9 +128,10 @@ class MetricsLogger:
             self._tb.flush()
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
-        with self.samples_path.open("a") as f:
-            for s in samples:
-                f.write(json.dumps({"step": step, **s}) + "\n")
+        _append(self.samples_path, step, samples)
+
+    def log_eval(self, step: int, rows: list[dict]) -> None:
+        _append(self.eval_path, step, rows)
 
     def close(self) -> None:
         if self._tb is not None:

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "tensorboard")
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "eval.jsonl", "checkpoints", "tensorboard")
 
 
 def run_files(out: Path) -> list[str]:

@@ -31,6 +31,7 @@ import torch
 
 from minigrpo.model.config import ModelConfig
 from minigrpo.model.qwen2 import Qwen2ForCausalLM, init_weights
+from minigrpo.tasks.templates import Stops
 
 EOS, PAD = "<eos>", "<pad>"
 
@@ -67,7 +68,7 @@ class FirstDigitTask:
     def __init__(self, tokenizer: CharTokenizer, num_examples: int, seed: int, num_digits: int = 4):
         if num_digits < 2:
             raise ValueError(f"num_digits must be >= 2 (with one digit the answer is the last digit), got {num_digits}")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.stops = tokenizer, Stops(tokenizer.stop_ids)
         rng = np.random.default_rng([seed, num_digits])
         self.digits = ["".join(map(str, row)) for row in rng.integers(0, 10, size=(num_examples, num_digits))]
 

@@ -1,10 +1,11 @@
-"""Tasks: the prompts to train or evaluate on and the verifiable reward of a completion.
+"""Tasks: the prompts to train or evaluate on, what ends a completion, and its verifiable reward.
 
-The trainer sees a task only through this small interface, so GSM8K and the offline synthetic task
-(`minigrpo.tasks.synthetic`) are interchangeable:
+The trainer sees a task only through this small interface, so question/answer data under any template
+(`QATask`) and the offline synthetic tasks (`minigrpo.tasks.synthetic`) are interchangeable:
 
     len(task)                                  number of examples
-    task.prompt(i) -> list[int]                the prompt's token ids (chat template already applied)
+    task.prompt(i) -> list[int]                the prompt's token ids (template already applied)
+    task.stops -> Stops                        stop token ids for the backend, stop strings cut on the host
     task.score(i, completion_ids) -> (reward, correct)
     task.describe(i) -> dict                   what a human needs to read a logged sample (question, answer)
 
@@ -17,11 +18,14 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from minigrpo.tasks.gsm8k import Example, build_messages
-from minigrpo.tasks.verifier import reward as gsm8k_reward
+from minigrpo.tasks.qa import SOURCES, Example, load_examples
+from minigrpo.tasks.templates import TEMPLATES, Stops, Template
+from minigrpo.tasks.verifier import REWARD_MODES, reward
 
 
 class Task(Protocol):
+    stops: Stops
+
     def __len__(self) -> int: ...
 
     def prompt(self, i: int) -> list[int]: ...
@@ -31,14 +35,18 @@ class Task(Protocol):
     def describe(self, i: int) -> dict: ...
 
 
-class GSM8KTask:
-    """GSM8K with the Qwen2.5 chat template; reward 1.0 iff the final answer equals the reference number."""
+class QATask:
+    """Question/answer examples under a prompt template; reward 1.0 iff the answer matches (`reward_mode`)."""
 
-    def __init__(self, examples: Sequence[Example], tokenizer):
+    def __init__(self, examples: Sequence[Example], tokenizer, template: Template = TEMPLATES["chat"],
+                 reward_mode: str = "numeric"):
         if not examples:
-            raise ValueError("GSM8KTask needs at least one example")
-        self.examples = list(examples)
-        self.tokenizer = tokenizer
+            raise ValueError("a task needs at least one example")
+        if reward_mode not in REWARD_MODES:
+            raise ValueError(f"reward mode must be one of {REWARD_MODES}, got {reward_mode!r}")
+        self.examples, self.tokenizer = list(examples), tokenizer
+        self.template, self.reward_mode = template, reward_mode
+        self.stops = template.stops(tokenizer)
         self._prompts: dict[int, list[int]] = {}  # tokenised on first use: evaluation may touch only a few
 
     def __len__(self) -> int:
@@ -46,16 +54,27 @@ class GSM8KTask:
 
     def prompt(self, i: int) -> list[int]:
         if i not in self._prompts:
-            self._prompts[i] = self.tokenizer.encode_chat(build_messages(self.examples[i].question))
+            self._prompts[i] = self.template.prompt(self.tokenizer, self.examples[i].question)
         return self._prompts[i]
 
     def score(self, i: int, completion_ids: Sequence[int]) -> tuple[float, bool]:
-        r = gsm8k_reward(self.tokenizer.decode(completion_ids), self.examples[i].ground_truth)
+        answer = self.template.answer(self.tokenizer.decode(completion_ids))
+        r = reward(answer, self.examples[i].ground_truth, self.reward_mode, self.template.answer_tag is not None)
         return r, r == 1.0
 
     def describe(self, i: int) -> dict:
         ex = self.examples[i]
         return {"question": ex.question, "ground_truth": ex.ground_truth, "source": ex.source}
+
+
+def load_task(task: str, split: str, tokenizer, *, path=None, template: str = "chat", reward_mode: str | None = None,
+              question_field: str | None = None, answer_field: str | None = None) -> QATask:
+    """`split` of `task` (gsm8k, math, jsonl: qa.SOURCES) under `template`, scored by `reward_mode` (default:
+    the task's own), from the local jsonl `path` or else the Hub: what --task and its flags ask for."""
+    reward_mode = reward_mode or SOURCES[task].reward
+    examples = load_examples(task, split, path, question_field=question_field, answer_field=answer_field,
+                             numeric=reward_mode == "numeric")
+    return QATask(examples, tokenizer, TEMPLATES[template], reward_mode)
 
 
 def prompt_budget(tasks: Sequence[tuple[Task, int]], max_positions: int, max_new_tokens: int,

@@ -1,4 +1,5 @@
-"""Rule-based GSM8K reward: pull the final answer out of a completion and compare it numerically.
+"""Rule-based rewards: pull the final answer out of a completion and compare it to the reference (`reward`'s
+modes: numeric, the GSM8K check below; exact; boxed, symbolic with math-verify when installed).
 
 The reward is the only signal RL gets, so it has to be boring and robust:
   * it never raises and never hangs on any string the policy can emit (every regex here is linear
@@ -45,7 +46,7 @@ _UNICODE_MINUS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2014": "-", "\u
 _OPERATOR_LEFTOVER = re.compile(r"[-+*/^×÷\\]")
 
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
     """Content of the last-opened, properly closed, non-empty ``\\boxed{...}``; None if there is none.
 
     One left-to-right pass with a stack of open braces (linear time even for ``\\boxed{`` * 1000).
@@ -72,7 +73,7 @@ def extract_answer(text: str) -> str | None:
     if not isinstance(text, str):
         raise TypeError(f"extract_answer expects str, got {type(text).__name__}")
     text = text[-MAX_TEXT_CHARS:]
-    boxed = _last_boxed(text)
+    boxed = last_boxed(text)
     if boxed is not None:
         return boxed
     hashes = [m.group(1).strip() for m in _HASH_ANSWER.finditer(text)]
@@ -131,15 +132,59 @@ def normalize_number(s: str | None) -> float | None:
 
 def is_correct(completion_text: str, ground_truth: str) -> bool:
     """True iff the completion's final answer equals the ground truth within REL_TOL (relative to truth)."""
-    truth = normalize_number(ground_truth)
-    if truth is None:
-        return False
-    pred = normalize_number(extract_answer(completion_text))
-    if pred is None:
-        return False
-    return abs(pred - truth) <= REL_TOL * max(1.0, abs(truth))
+    pred = extract_answer(completion_text)
+    return pred is not None and _same_number(pred, ground_truth)
 
 
-def reward(completion_text: str, ground_truth: str) -> float:
-    """Binary outcome reward: 1.0 if correct else 0.0 (no format bonus; see gsm8k.build_messages)."""
-    return 1.0 if is_correct(completion_text, ground_truth) else 0.0
+def _plain(s: str) -> str:
+    """A final answer for string comparison: \\text{} unwrapped, $ dropped, spaces collapsed, case folded."""
+    s = _TEXT_WRAPPER.sub(r"\1", s).replace("$", "")
+    return " ".join(s.split()).rstrip(".").casefold()
+
+
+def _same_number(pred: str, truth: str) -> bool:
+    p, t = normalize_number(pred), normalize_number(truth)
+    return p is not None and t is not None and abs(p - t) <= REL_TOL * max(1.0, abs(t))
+
+
+def _math_verify_equal(pred: str, truth: str) -> bool:
+    """Symbolic equivalence (fractions, radicals, intervals, ...) by math-verify, when it is installed
+    (`pip install minigrpo[math]`); False without it, or when it fails (its timeouts need the main thread)."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return False
+    try:
+        return bool(verify(parse(f"${truth}$"), parse(f"${pred}$")))
+    except Exception:  # a parser error or timeout on some string the policy wrote: not a match
+        return False
+
+
+REWARD_MODES = ("numeric", "exact", "boxed")
+
+
+def reward(answer_text: str | None, ground_truth: str, mode: str = "numeric", delimited: bool = False) -> float:
+    """Binary outcome reward, no format bonus: 1.0 if the answer matches the ground truth, else 0.0.
+
+    `answer_text` is the part of a completion that holds the answer (a template's choice; None when its
+    format is not met); `delimited` says it is the answer alone (an <answer> tag's content). Modes:
+      numeric  `is_correct`: the last \\boxed{}, "#### N" or number, compared as a number (GSM8K)
+      exact    the last \\boxed{} content (a delimited answer without one: all of it) equals the truth as
+               text, after `_plain` normalisation
+      boxed    that same answer, equal as text, as a number, or symbolically by math-verify when installed
+    """
+    if not isinstance(answer_text, str):
+        return 0.0
+    if mode == "numeric":
+        return 1.0 if is_correct(answer_text, ground_truth) else 0.0
+    if mode not in REWARD_MODES:
+        raise ValueError(f"reward mode must be one of {REWARD_MODES}, got {mode!r}")
+    pred = last_boxed(answer_text[-MAX_TEXT_CHARS:])
+    if pred is None and delimited:
+        pred = answer_text.strip()
+    if not pred or len(pred) > MAX_ANSWER_CHARS:
+        return 0.0
+    same = _plain(pred) == _plain(ground_truth)
+    if mode == "boxed" and not same:
+        same = _same_number(pred, ground_truth) or _math_verify_equal(pred, ground_truth)
+    return 1.0 if same else 0.0

@@ -1,12 +1,15 @@
-"""GSM8K loading (local jsonl, hub path with a stubbed download), error messages, and prompt construction."""
+"""Question/answer data: GSM8K, MATH and any jsonl (local files, the Hub with a stubbed or refused download),
+the final answers read from them, and the errors that name the bad file and line."""
 
 import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import SHARED_DATA
+from conftest import QWEN_DIR, SHARED_DATA
 
-from minigrpo.tasks.gsm8k import INSTRUCTION, Example, build_messages, load_gsm8k, load_jsonl, parse_ground_truth
+from minigrpo.tasks.qa import Example, final_answer, load_examples, load_jsonl
 from minigrpo.tasks.verifier import normalize_number
 
 DATA = SHARED_DATA / "gsm8k"
@@ -17,7 +20,7 @@ def test_load_real_splits(split, count):
     path = DATA / f"{split}.jsonl"
     if not path.is_file():
         pytest.skip(f"GSM8K data not found at {path}")
-    examples = load_gsm8k(split, path=path)
+    examples = load_examples("gsm8k", split, path=path)
     assert len(examples) == count
     assert all(isinstance(e, Example) for e in examples)
     # every reference answer must be usable by the reward, or that prompt could never be rewarded
@@ -46,16 +49,25 @@ def test_ground_truth_parsing(tmp_path):
         examples[0].question = "mutated"  # frozen
 
 
-def test_parse_ground_truth_errors():
+def test_final_answer_by_format():
+    assert final_answer("2 + 2 = 4\n#### 1,004", "####") == "1004"
+    assert final_answer("So $x = \\boxed{\\frac{1}{2}}$, not \\boxed{3}.", "boxed") == "3"  # the last box
+    assert final_answer("\\boxed{\\{1, 2\\}}", "boxed") == "\\{1, 2\\}"  # nested braces
+    assert final_answer("  (1, 2]  ", "") == "(1, 2]"
     with pytest.raises(ValueError, match="no '#### <number>' line"):
-        parse_ground_truth("just a solution")
-    with pytest.raises(ValueError, match="nothing follows"):
-        parse_ground_truth("#### ")
+        final_answer("just a solution", "####")
+    with pytest.raises(ValueError, match="empty"):
+        final_answer("#### ", "####")
+    with pytest.raises(ValueError, match=r"no \\boxed"):
+        final_answer("x = 3", "boxed")
 
 
 def test_missing_file_says_what_to_do(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not found.*local openai/grade-school-math jsonl.*leave the data flag"):
-        load_gsm8k("train", path=tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match=r"--train-data .*nope\.jsonl: file not found; pass a local jsonl, "
+                                                r"or leave the flag out to download openai/gsm8k"):
+        load_examples("gsm8k", "train", path=tmp_path / "nope.jsonl")
+    with pytest.raises(ValueError, match="--task jsonl reads local files only: pass --test-data FILE.jsonl"):
+        load_examples("jsonl", "test")
 
 
 def test_malformed_line_names_file_and_line(tmp_path):
@@ -72,7 +84,8 @@ def test_non_object_line(tmp_path):
 
 def test_missing_key(tmp_path):
     path = _write(tmp_path, [_rec(), _rec(), json.dumps({"question": "Q", "solution": "#### 1"})])
-    expected = r"data\.jsonl:3: missing key\(s\) \['answer'\].*found keys \['question', 'solution'\]"
+    expected = (r"data\.jsonl:3: missing key\(s\) \['answer'\].*found keys \['question', 'solution'\]; "
+                r"--question-field / --answer-field name others")
     with pytest.raises(ValueError, match=expected):
         load_jsonl(path)
 
@@ -84,8 +97,11 @@ def test_missing_hashes(tmp_path):
 
 
 def test_non_string_field(tmp_path):
-    path = _write(tmp_path, [json.dumps({"question": "Q", "answer": 4})])
-    with pytest.raises(ValueError, match=r"data\.jsonl:1: 'answer' must be a string, got int"):
+    path = _write(tmp_path, [json.dumps({"question": "Q", "answer": [4]})])
+    with pytest.raises(ValueError, match=r"data\.jsonl:1: 'answer' must be a string or a number, got list"):
+        load_jsonl(path)
+    path = _write(tmp_path, [json.dumps({"question": 7, "answer": "#### 4"})])
+    with pytest.raises(ValueError, match=r"data\.jsonl:1: 'question' must be a string, got int"):
         load_jsonl(path)
 
 
@@ -98,7 +114,7 @@ def test_empty_question_is_refused_at_load(tmp_path, question):
 
 def test_non_numeric_answer_is_refused_at_load(tmp_path):
     path = _write(tmp_path, [_rec(answer="so\n#### four")])
-    with pytest.raises(ValueError, match=r"data\.jsonl:1: the final answer 'four' is not a number"):
+    with pytest.raises(ValueError, match=r"data\.jsonl:1: the final answer 'four' is not a number.*--reward exact"):
         load_jsonl(path)
 
 
@@ -121,14 +137,14 @@ def test_empty_file(tmp_path):
 
 def test_bad_split():
     with pytest.raises(ValueError, match="split must be one of"):
-        load_gsm8k("validation", path="unused.jsonl")
+        load_examples("gsm8k", "validation", path="unused.jsonl")
 
 
 def test_hub_without_pyarrow_says_how_to_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow...` raise ImportError
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(ImportError, match=r"needs pyarrow: `pip install pyarrow`.*with --train-data FILE"):
-        load_gsm8k("train")
+        load_examples("gsm8k", "train")
 
 
 def test_hub_offline_says_how_to_pass_a_local_file(monkeypatch):
@@ -141,7 +157,7 @@ def test_hub_offline_says_how_to_pass_a_local_file(monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     with pytest.raises(RuntimeError, match=r"Could not download openai/gsm8k.*offline.*--test-data \.\.\./test\.jsonl"):
-        load_gsm8k("test")
+        load_examples("gsm8k", "test")
 
 
 def test_hub_parquet_is_read(monkeypatch, tmp_path):
@@ -158,14 +174,48 @@ def test_hub_parquet_is_read(monkeypatch, tmp_path):
         return str(local)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    examples = load_gsm8k("test")
+    examples = load_examples("gsm8k", "test")
     assert calls == [("openai/gsm8k", "main/test-00000-of-00001.parquet", "dataset")]
     assert [(e.question, e.ground_truth) for e in examples] == [("Q1", "3"), ("Q2", "1000")]
 
 
-def test_build_messages():
-    messages = build_messages("  What is 2 + 2?\n")
-    assert messages == [{"role": "user", "content": "What is 2 + 2?\n" + INSTRUCTION}]
-    assert "\\boxed{}" in messages[0]["content"] and "step by step" in messages[0]["content"]
-    with pytest.raises(ValueError, match="non-empty string"):
-        build_messages("   ")
+TINY = Path(__file__).parent / "data" / "tiny_qa.jsonl"  # five records, fields "q" and "a", mixed answers
+
+
+def test_any_jsonl_trains_with_its_own_fields():
+    if not QWEN_DIR.exists():
+        pytest.skip(f"Qwen tokenizer files not found at {QWEN_DIR}")
+    from minigrpo.model.tokenizer import Tokenizer
+    from minigrpo.tasks.task import load_task
+
+    tok = Tokenizer.from_dir(QWEN_DIR)
+    task = load_task("jsonl", "train", tok, path=TINY, template="r1", reward_mode="boxed", question_field="q",
+                     answer_field="a")
+    assert [e.ground_truth for e in task.examples] == ["\\frac{3}{4}", "2\\sqrt{2}", "(1, 2]", "Paris", "8"]
+    assert task.describe(3)["source"] == f"{TINY}:4"
+    assert tok.decode(task.prompt(3)).endswith("User: What is the capital of France?\nAssistant: <think>")
+
+    def score(i, answer):
+        return task.score(i, tok.encode(f" thinking </think> <answer> {answer} </answer>"))[0]
+    assert [score(i, a) for i, a in enumerate(["\\frac{3}{4}", "2\\sqrt{2}", "(1, 2]", "paris", "\\boxed{8.0}"])] \
+        == [1.0] * 5
+    assert [score(i, a) for i, a in enumerate(["1", "\\sqrt{2}", "[1, 2]", "Lyon", "6"])] == [0.0] * 5
+    msg = f"{TINY}:2: the final answer '2\\\\sqrt{{2}}' is not a number, so no completion could be scored correct (for"
+    with pytest.raises(ValueError, match=re.escape(msg)):  # line 1, \\frac{3}{4}, is a number
+        load_task("jsonl", "train", tok, path=TINY, question_field="q", answer_field="a")  # numeric by default
+    with pytest.raises(ValueError, match=re.escape(f"{TINY}:1: missing key(s) ['question', 'answer']")):
+        load_task("jsonl", "train", tok, path=TINY, reward_mode="exact")
+
+
+def test_math_from_the_hub_reads_the_boxed_answer(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    local = _write(tmp_path, [json.dumps({"problem": "Compute $1+1$.", "solution": "$1+1=\\boxed{2}$.",
+                                          "answer": "2"})], name="test.jsonl")
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda repo, file, **kw: calls.append((repo, file)) or str(local))
+    (ex,) = load_examples("math", "test", numeric=False)
+    assert calls == [("HuggingFaceH4/MATH-500", "test.jsonl")]  # MATH-500: jsonl, no pyarrow needed
+    assert (ex.question, ex.ground_truth) == ("Compute $1+1$.", "2")
+

@@ -1,0 +1,146 @@
+"""Prompt templates (`--template`), and the stops that end a completion.
+
+A template says how a question becomes prompt ids (a chat or plain text), which strings end a
+completion besides the tokenizer's stop tokens, and where the answer is read from:
+
+    chat       the Qwen2.5 chat template, one user turn: the question and the Qwen2.5-Math instruction
+    r1         DeepSeek-R1-Zero's plain-text template, as the Dr. GRPO paper's code (understand-r1-zero,
+               on oat) trains base models with it: reasoning in <think>, the answer in <answer>, and the
+               completion ends at "</answer>"; the answer counts only in the paper's strict format
+    qwen-math  the chat template with the Qwen2.5-Math chain-of-thought system prompt, answer in \\boxed{}
+    none       the bare question, as plain text
+
+The template strings are the published ones, character for character (tests/test_templates.py).
+
+Stop strings. The rollout backends stop in their decode loop on stop token ids only. A string such as
+"</answer>" is several tokens, tokenised differently by context ("</" or ".</", ">" or ">\\n"), so no
+token id catches it: `Stops.cut` finds it in the decoded text, on the host, once per rollout, and drops
+the tokens after the one that completes it. Both backends decode the same tokens, so they return the same
+cut completions; the dropped tokens get no reward and no loss. So that a completion does not decode on to
+the budget, the engine also stops in its decode loop on the string's common tokenisations
+(`stop_sequences`): an early exit, exact because each one's text holds the string, so the cut on the host
+lands on that same last token. A rarer tokenisation decodes on, and is cut all the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from minigrpo.model.generate import Rollout
+from minigrpo.model.tokenizer import IM_END
+
+# The Qwen2.5-Math chain-of-thought prompt, verbatim (its model card's system prompt).
+QWEN_MATH_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+# The R1-Zero template as understand-r1-zero's `apply_r1_template` writes it, verbatim.
+R1_PROMPT = (
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. The "
+    "Assistant first thinks about the reasoning process in the mind and then provides the User with the answer. "
+    "The reasoning process is enclosed within <think> </think> and answer is enclosed within <answer> </answer> "
+    "tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here </answer>.\n"
+    "User: {question}\nAssistant: <think>"
+)
+
+
+def stop_sequences(tokenizer, string: str, most: int = 12, longest: int = 4) -> tuple[tuple[int, ...], ...]:
+    """How `string` tokenises after a space, a word, a period or a brace, and before the end or newlines: in
+    each, the tokens from the one holding its first character to the one completing it (their text holds
+    the string). The first `most` distinct ones of at most `longest` tokens (the engine's STOP_LEN)."""
+    found = []
+    for before in ("x ", "x", "x.", "x}"):
+        for after in ("", "\n", "\n\n"):
+            ids = tokenizer.encode(before + string + after)
+            end = next(k for k in range(1, len(ids) + 1) if string in tokenizer.decode(ids[:k]))
+            start = max(j for j in range(end) if string in tokenizer.decode(ids[j:end]))
+            if end - start <= longest and tuple(ids[start:end]) not in found:
+                found.append(tuple(ids[start:end]))
+    return tuple(found[:most])
+
+
+@dataclass(frozen=True)
+class Stops:
+    """What ends a completion: a stop token id (the backend's decode loop stops on it) or a stop string,
+    found in the decoded text by `cut`. `decode` (token ids -> text) is needed only with strings;
+    `sequences`, the strings' common tokenisations, only make the engine stop early (module doc)."""
+    ids: tuple[int, ...]
+    strings: tuple[str, ...] = ()
+    decode: Callable[[Sequence[int]], str] | None = None
+    sequences: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def backend_stops(self) -> tuple[int | tuple[int, ...], ...]:
+        """What a rollout backend's `generate` takes as `stop_ids`: the ids, then the token sequences."""
+        return self.ids + self.sequences
+
+    def end(self, tokens: Sequence[int]) -> tuple[int, bool]:
+        """(n, stopped): the completion is tokens[:n], up to and including its first stop."""
+        tokens = list(tokens)
+        n = next((i + 1 for i, t in enumerate(tokens) if t in self.ids), len(tokens))
+        if self.strings and self._holds_string(tokens[:n]):
+            lo, hi = 1, n  # the shortest prefix whose text holds a stop string: its last token completes one
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if self._holds_string(tokens[:mid]) else (mid + 1, hi)
+            return lo, True
+        return n, n > 0 and tokens[n - 1] in self.ids
+
+    def _holds_string(self, tokens: list[int]) -> bool:
+        # A prefix's text is a prefix of the longer text (up to a split UTF-8 character at its end, decoded
+        # as U+FFFD, which no stop string holds), so this is monotone in the prefix length: bisection works.
+        text = self.decode(tokens)
+        return any(s in text for s in self.strings)
+
+    def cut(self, rollout: Rollout) -> tuple[Rollout, list[bool]]:
+        """Every completion (and its log-probs) cut after its first stop, and whether it has one."""
+        ends = [self.end(t) for t in rollout.tokens]
+        tokens = [t[:n] for t, (n, _) in zip(rollout.tokens, ends)]
+        logprobs = [lp[:n] for lp, (n, _) in zip(rollout.logprobs, ends)]
+        return Rollout(tokens, logprobs), [stopped for _, stopped in ends]
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    text: str = "{question}"        # the prompt (plain text) or the user turn (chat); {question} is replaced
+    chat: bool = False              # render as a Qwen2.5 chat: [system,] user, then the assistant's turn
+    system: str | None = None       # the chat's system turn; None: the tokenizer's default
+    stop: tuple[str, ...] = ()      # stop strings, besides the tokenizer's stop tokens
+    answer_tag: str | None = None   # read the answer from <tag>...</tag> (r1), else from the whole text
+
+    def prompt(self, tokenizer, question: str) -> list[int]:
+        """The prompt ids for one question (stripped of surrounding whitespace)."""
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f"question must be a non-empty string, got {question!r}")
+        text = self.text.replace("{question}", question.strip())
+        if not self.chat:
+            return tokenizer.encode(text)
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return tokenizer.encode_chat(system + [{"role": "user", "content": text}])
+
+    def stops(self, tokenizer) -> Stops:
+        """The tokenizer's stop tokens (a chat's end of turn too: a base model's tokenizer may not list it),
+        and this template's stop strings."""
+        end_of_turn = tokenizer.encode(IM_END) if self.chat else []
+        ids = tuple(tokenizer.stop_ids) + (tuple(end_of_turn) if len(end_of_turn) == 1 else ())
+        sequences = tuple(seq for s in self.stop for seq in stop_sequences(tokenizer, s))
+        return Stops(tuple(dict.fromkeys(ids)), self.stop, tokenizer.decode, sequences)
+
+    def answer(self, completion: str) -> str | None:
+        """The part of the completion that holds the answer; None if the template's format is not met.
+
+        With a tag, the paper's strict format: "</think> <answer>" and a closing tag must appear, and the
+        answer is the text after the last opening tag (understand-r1-zero's `answer_tag_reward_fn`)."""
+        if self.answer_tag is None:
+            return completion
+        open_, close = f"<{self.answer_tag}>", f"</{self.answer_tag}>"
+        if f"</think> {open_}" not in completion or close not in completion:
+            return None
+        return completion.rpartition(open_)[2].replace(close, "")
+
+
+TEMPLATES = {t.name: t for t in (
+    Template("chat", text="{question}\n" + QWEN_MATH_PROMPT, chat=True),
+    Template("r1", text=R1_PROMPT, stop=("</answer>",), answer_tag="answer"),
+    Template("qwen-math", chat=True, system=QWEN_MATH_PROMPT),
+    Template("none"),
+)}

@@ -7,6 +7,7 @@ offline task on the CPU).
     python train.py --preset smoke                   # CPU, tiny random model, synthetic task, ~1 minute
     python train.py --out runs/a --resume            # continue runs/a from its newest checkpoint, exactly
     torchrun --nproc-per-node 4 train.py -B 32       # data parallel: 8 prompts per rank, DDP update
+    torchrun --nproc-per-node 4 train.py -B 32 --parallel fsdp   # the same, weights and AdamW state sharded
 
 Defaults follow the Dr. GRPO recipe (Liu et al. 2025, "Understanding R1-Zero-Like Training"): G = 8
 samples per prompt, temperature 1.0, lr 1e-6 with constant schedule, clip eps 0.2, one on-policy update per
@@ -39,7 +40,7 @@ import torch
 
 from minigrpo.engine.rollout import ATTN_BACKENDS, make_backend
 from minigrpo.rl import distributed
-from minigrpo.rl.config import WEIGHT_DTYPES, TrainConfig
+from minigrpo.rl.config import PARALLEL, WEIGHT_DTYPES, TrainConfig
 from minigrpo.rl.evaluate import add_task_flags
 from minigrpo.rl.loop import run
 from minigrpo.rl.memory import estimate
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device")
     g.add_argument("--seed", type=int, default=D.seed, help="seeds data order, rollout sampling, shuffling")
+    g.add_argument("--parallel", choices=PARALLEL, default=D.parallel,
+                   help="under torchrun, the update: ddp replicates the weights, gradients and AdamW state on "
+                        "every rank; fsdp shards them (FSDP2), for models whose state does not fit one GPU")
     g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard (needs tensorboard)")
     add_task_flags(p.add_argument_group("task (not with --preset smoke / learn)"))
     g = p.add_argument_group("rollout engine")
@@ -226,12 +230,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             eval_temperature=args.eval_temperature, save_every=args.save_every,
             keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,
             seed=args.seed, logprob_chunk_size=args.logprob_chunk_size,
-            activation_checkpointing=args.activation_checkpointing, weights=args.weights,
+            activation_checkpointing=args.activation_checkpointing, weights=args.weights, parallel=args.parallel,
             # the reference generator runs the policy itself at every length: compiled, a recompile per token
             compile_policy=(args.compile_policy if args.compile_policy is not None
                             else device.type == "cuda" and args.attn != "reference"))
     except ValueError as e:
         parser.error(flag_names(str(e), parser))
+    if args.parallel == "fsdp" and args.attn == "reference":
+        parser.error("--parallel fsdp shards the policy, which --attn reference generates with; use the engine "
+                     "(--attn sdpa on the CPU, triton on CUDA)")
     if args.compile_policy and args.attn == "reference":
         parser.error("--compile-policy with --attn reference would recompile the policy for every generated token; "
                      "drop --compile-policy, or use the engine (--attn sdpa|triton)")

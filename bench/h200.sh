@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|sizes|engmem|trl|speed|speedbig|templates
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|speed|speedbig|templates
 # (and `revs`, run here before a device call, not there)
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
@@ -84,6 +84,45 @@ case "${1:-}" in
       OUT=$OUT/ddp$n torchrun --standalone --nproc-per-node "$n" bench/train_step.py --model-dir /tmp/rand05b \
         --data "$DATA" --attn triton --steps 5 -- $LEAN "${@:2}" 2>&1 | grep -E "^triton|Error"
     done ;;
+  ddp2)        # issue 17: why 2 GPUs gave 61% of linear samples/s (NOTES, issue 6), on nvidia-h200-x2; one
+               # sub-part per device call, each under 10 minutes:
+               #   net: how the GPUs are linked; all-reduce GB/s at the gradient's size under NCCL's default and
+               #        forced transports; the transport NCCL picks in a 2-GPU training step (NCCL_DEBUG=INFO)
+               #   profile [N...]: one profiled step on N = 1 and 2 GPUs: NCCL kernel time, time without a compute
+               #        kernel, per rank (Chrome traces in $OUT/profileN)
+               #   scale [05b|7b] [RUN...]: samples/s, step time, peak memory per rank, RUN = ddp1 (one GPU: nothing
+               #        is wrapped), ddp2, fsdp2 (default all three; at 7b one RUN per call), LEAN, 8x8x256 per GPU
+               # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set on these machines: KINDS.md).
+    T="bench/train_step.py --data $DATA --attn triton"
+    case "${2:-}" in
+      net)
+        rand 0.5b
+        { nvidia-smi topo -m; nvidia-smi nvlink -s; python3 -c "import torch; print('peer access 0->1, 1->0:', \
+          torch.cuda.can_device_access_peer(0, 1), torch.cuda.can_device_access_peer(1, 0))"; } 2>&1 | tee "$OUT/topo.txt"
+        for env in "" NCCL_P2P_DISABLE=1 "NCCL_P2P_DISABLE=1 NCCL_SHM_USE_CUDA_MEMCPY=1" NCCL_P2P_LEVEL=SYS NCCL_CUMEM_ENABLE=0; do
+          echo "== ${env:-default}"
+          env $env torchrun --standalone --nproc-per-node 2 bench/allreduce.py 2>&1 | grep -E "^\{|Error"
+        done | tee "$OUT/allreduce.txt"
+        NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM,NET,GRAPH OUT=$OUT/nccl torchrun --standalone --nproc-per-node 2 \
+          ${T/--attn triton/--attn triton:none} --model-dir /tmp/rand05b --steps 1 -- $LEAN --no-compile-policy > "$OUT/nccl.log" 2>&1
+        grep -E "via (P2P|SHM|NET|CollNet)|P2P/|SHM/|NET/|CUMEM|P2P is disabled|P2P level|NVLS|Connected all|comm 0x.*nRanks" \
+          "$OUT/nccl.log" | sed -E 's/^[^ ]+ //; s/[0-9]+:[0-9]+ \[[0-9]\]//' | sort | uniq -c | sort -rn | head -30 ;;
+      profile)
+        rand 0.5b
+        NS=("${@:3}"); [ ${#NS[@]} -gt 0 ] || NS=(1 2)
+        for n in "${NS[@]}"; do
+          OUT=$OUT/profile$n torchrun --standalone --nproc-per-node "$n" $T --model-dir /tmp/rand05b --steps 4 --profile \
+            -- $LEAN 2>&1 | grep -E "^triton|profiled|Error"
+        done ;;
+      scale)
+        M=${3:-05b}; if [ "$M" = 7b ]; then rand 7b; else rand 0.5b; fi
+        RUNS=("${@:4}"); [ ${#RUNS[@]} -gt 0 ] || RUNS=(ddp1 ddp2 fsdp2)
+        for r in "${RUNS[@]}"; do  # ddp2 -> --parallel ddp on 2 GPUs
+          OUT=$OUT/${M}_$r torchrun --standalone --nproc-per-node "${r: -1}" $T --model-dir "/tmp/rand$M" \
+            --steps "${STEPS:-8}" -- $LEAN --parallel "${r%?}" 2>&1 | grep -E "^triton|Error"
+        done ;;
+      *) echo "usage: bash bench/h200.sh ddp2 net | profile [N...] | scale [05b|7b] [ddp1|ddp2|fsdp2 ...]"; exit 2 ;;
+    esac ;;
   sizes)       # issue 17's sizes table: random weights at the published shapes given (default: 0.5b 1.5b 3b 7b),
                # 8 x 8 x 256, K = 2, beta 0.04, 3 steps, with the default flags and the LEAN ones. Each run prints
                # warm_step_s, peak_gb and the memory estimate (estimate_drawn_gb: for the prompts the steps drew,
@@ -140,6 +179,6 @@ case "${1:-}" in
                # evaluation (r1, 4 samples x 32 test examples). One process, one compile (~3 min in all)
     rand 0.5b
     python3 bench/templates.py --model-dir /tmp/rand05b --data "$DATA" "${@:2}" ;;
-  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|sizes|engmem|trl|speed|speedbig|templates|revs [args]"
+  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|speed|speedbig|templates|revs [args]"
      exit 2 ;;
 esac

@@ -16,8 +16,10 @@ Each run also reports the memory estimate (minigrpo/rl/memory.py) beside its mea
 estimate says would not fit stops at start, and its one-line message is the result (`refused`).
 
 Data parallel (issue 6's scaling table): under `torchrun --nproc-per-node N` each rank rolls out
---prompts prompts, so the per-GPU batch stays fixed and B = N x --prompts. Rank 0 reports; step times and
-tokens/s are over all ranks.
+--prompts prompts, so the per-GPU batch stays fixed and B = N x --prompts (`-- --parallel fsdp` for FSDP2).
+Rank 0 reports; step times, samples/s and tokens/s are over all ranks, `peak_gb_per_rank` lists each
+rank's. --profile profiles one more step on every rank: the top kernels, the time in NCCL kernels and the
+time the GPU has no compute kernel running, to profile.txt (rank 0) and a Chrome trace per rank.
 """
 
 from __future__ import annotations
@@ -85,18 +87,38 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
             prof_row = trainer.step()
         events = prof.key_averages()
         gpu_us = sum(e.self_device_time_total for e in events)
+        nccl_us = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
         phases = ", ".join(f"{k[5:]} {v:.3f}" for k, v in prof_row.items() if k.startswith("time_") and k != "time_step")
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
-        summary = (f"profiled step: {prof_row['time_step']:.3f} s wall ({phases}); "
-                   f"GPU kernels busy {gpu_us / 1e6:.3f} s; {launches} kernel launches\n")
+        summary = (f"rank {dist.rank} profiled step: {prof_row['time_step']:.3f} s wall ({phases}); GPU kernels busy "
+                   f"{gpu_us / 1e6:.3f} s, of which NCCL {nccl_us / 1e6:.3f} s; no compute kernel running "
+                   f"{compute_idle_s(prof):.3f} s; {launches} kernel launches\n")
+        out.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(out / f"trace_rank{dist.rank}.json.gz"))
         if dist.is_main:
-            out.mkdir(parents=True, exist_ok=True)
             (out / "profile.txt").write_text(summary + events.table(sort_by="self_cuda_time_total", row_limit=30))
-            print(summary, flush=True)
+        print(summary, flush=True)
     del trainer, backend, model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows, estimates
+
+
+def compute_idle_s(prof) -> float:
+    """Seconds of the profiled window in which no non-NCCL GPU kernel runs: the union of the compute kernels'
+    intervals, subtracted from the window from the first kernel's start to the last one's end."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" not in e.name.lower())
+    if not spans:
+        return 0.0
+    busy, (lo, hi) = 0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo, hi = busy + hi - lo, a, b
+        else:
+            hi = max(hi, b)
+    busy += hi - lo
+    return (max(b for _, b in spans) - spans[0][0] - busy) / 1e6
 
 
 KEYS = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_sync", "time_step", "rollout_tokens_per_s",
@@ -105,19 +127,23 @@ KEYS = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_syn
         "tis_capped_frac", "compiled_graphs", "compile_s", "completion_len_mean", "kv_pool_gb")
 
 
-def summary(rows: list[dict], estimates, world: int) -> dict:
+def summary(rows: list[dict], estimates, dist: distributed.Dist, samples: int) -> dict:
     """The last step's metrics, the fastest step after the first that compiled nothing, each step's times, and
     the memory estimate against the measured peak: for the data's longest prompt (what the start-up check
-    used) and, like for like, for the longest prompt the steps drew (estimate_error)."""
+    used) and, like for like, for the longest prompt the steps drew (estimate_error). samples: completions
+    per step over all ranks; every rank's peak in peak_gb_per_rank (a collective: every rank calls this)."""
     last, (estimate, drawn) = rows[-1], estimates
     row = {k: last[k] for k in KEYS if k in last}
-    row.update(rollout_share=last["time_rollout"] / last["time_step"], world=world)
+    row.update(rollout_share=last["time_rollout"] / last["time_step"], world=dist.world)
     peak = max(r.get("peak_mem_gb", 0.0) for r in rows)
+    row["peak_gb_per_rank"] = [round(x, 2) for x in dist.gather(torch.tensor([peak])).tolist()]
     row.update(peak_gb=peak, estimate_gb=estimate.total / 2**30, estimate_drawn_gb=drawn.total / 2**30,
                estimate_error=drawn.total / 2**30 / peak - 1 if peak else None, estimate_terms=str(drawn))
     graphs = [r.get("compiled_graphs", 0) for r in rows]
     warm = [r["time_step"] for i, r in enumerate(rows) if i and graphs[i] == graphs[i - 1]]
     row["warm_step_s"] = min(warm) if warm else None
+    row["median_warm_step_s"] = sorted(warm)[len(warm) // 2] if warm else None
+    row["samples_per_s"] = samples / row["median_warm_step_s"] if warm else None
     row["every_step"] = [{k: round(r[k], 3) for k in KEYS if k in r and (k.startswith("time") or k in ("compiled_graphs", "compile_s"))}
                          for r in rows]
     return row
@@ -151,7 +177,8 @@ def main():
     for attn, full in runs:
         name = (f"{attn}_full_logits" if full else attn).replace(":", "_compile_")
         try:
-            result[name] = summary(*run(attn, args, full, out / f"train_{name}", dist), dist.world)
+            rows, estimates = run(attn, args, full, out / f"train_{name}", dist)
+            result[name] = summary(rows, estimates, dist, samples=8 * args.prompts * dist.world)
         except train_cli.DoesNotFit as e:  # the memory check stopped it at start: that line is the result
             result[name] = {"refused": str(e)}
         if dist.is_main:

@@ -42,11 +42,12 @@ ARGS = ["--preset", "smoke", "-B", "4", "-G", "8", "--minibatch-size", "8", "--m
 ATOL = 1e-5
 
 
-def torchrun(out: Path, *extra: str, timeout: float = 120) -> str:
-    """Run train.py on 2 ranks; returns its stderr. --standalone: torchrun picks a free port itself."""
+def torchrun(out: Path, *extra: str, args=ARGS, script="train.py", timeout: float = 300) -> str:
+    """Run `script` (train.py: with `args`, --out and `extra`) on 2 ranks; returns its stderr. --standalone:
+    torchrun picks a free port itself."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "train.py", *ARGS, "--out", str(out), *extra]
+    argv = [*args, "--out", str(out), *extra] if script == "train.py" else [str(out), *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *argv]
     # A session of its own, so that a hang (e.g. ranks disagreeing on collectives) kills the workers too.
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)

@@ -85,6 +85,25 @@ def test_every_term_by_hand():
                         "lm_head": 32 * 256 * 8 + 4 * 20 * 32 * (2 + 4)}
 
 
+def test_fsdp_shards_the_per_parameter_terms():
+    # The by-hand model (P = 26912; root unit = embedding 256 x 32 + final norm 32 = 8224; a layer 9344) on 2
+    # ranks, 8 rows each in micro-batches of 4: weights, moments and reference halve; fp32 weights reduce-scatter
+    # every micro-batch (the gradient is the rank's shard), bf16 ones keep the micro-batches' fp32 sum whole
+    # until the last; the root and two layers are gathered whole; the engine keeps its copy; no DDP buckets.
+    m = tiny_config(n_heads=4, n_kv_heads=2, head_dim=8, vocab=256, layers=2)
+    cfg = TrainConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=20, micro_batch_size=4,
+                      kl_beta=0.04, parallel="fsdp")
+    engine = EngineConfig(max_batch=8, max_seq_len=50)
+    fp32, bf16 = (estimate(m, c, prompt_tokens=30, engine=engine, world=2) for c in (cfg, replace(cfg, weights="bf16")))
+    for e, w in ((fp32, 4), (bf16, 2)):
+        assert (e.resident["weights"], e.resident["optimizer"], e.resident["reference"]) == (13456 * w, 26912 * w,
+                                                                                          13456 * w)
+        assert e.resident["fsdp_gathered"] == (8224 + 2 * 9344) * w and e.update["ddp_buckets"] == 0
+        assert e.resident["engine_copy"] == 26912 * 2 + 2 * 50 * 8 * 4  # bf16 weights are not shared with shards
+    assert (fp32.update["gradients"], bf16.update["gradients"]) == (13456 * 4, 13456 * 2 + 26912 * 4)
+    assert estimate(m, cfg, prompt_tokens=30, engine=engine).resident["weights"] == 26912 * 4  # one rank: no FSDP
+
+
 def test_full_logits_and_eager_layers():
     m = tiny_config(n_heads=4, n_kv_heads=2, head_dim=8, vocab=256, layers=2)
     cfg = TrainConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=20, micro_batch_size=4,

@@ -282,7 +282,8 @@ def test_old_logprobs_from_the_first_epoch_equal_a_separate_scoring_pass(tmp_pat
     trainer._update = spy
     m = trainer.step()
     assert m["optimizer_steps"] == 2 and not torch.equal(initial.lm_head.weight, model.lm_head.weight)
-    old, entropy = trainer._score(initial, seen["batch"], return_entropy=True)  # the policy before the step
+    old, entropy = trainer._score(lambda batch, ent: trainer._logprobs(initial, batch, ent), seen["batch"],
+                                  return_entropy=True)  # the policy before the step
     mask = seen["batch"].mask.bool()
     torch.testing.assert_close(seen["old"][mask], old[mask], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(seen["entropy"][mask], entropy[mask], atol=1e-6, rtol=1e-6)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import kernels  # noqa: F401  (registers torch.ops.minigrpo.*)
 from minigrpo.engine.attention import decode_attention, rope_store
@@ -70,7 +71,9 @@ class DecodeModel(nn.Module):
         share = share and all(type(p.data) is torch.Tensor and (p.dtype, p.device) == (v.dtype, v.device)
                               for p, v in pairs)  # a sharded (DTensor) parameter has no full tensor to view
         for p, v in pairs:
-            if p.data_ptr() != v.data_ptr():
+            if isinstance(p, DTensor):  # gathered by every rank at once, one at a time: never a second full model
+                v.copy_(p.full_tensor())
+            elif p.data_ptr() != v.data_ptr():
                 v.copy_(p)
                 if share:
                     p.data = v  # the same Parameter (optimizer, hooks, names unchanged), on the engine's memory

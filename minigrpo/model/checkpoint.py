@@ -106,15 +106,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
 
 
 def save_model(model: Qwen2ForCausalLM, out_dir: str | Path, *, tokenizer_dir: str | Path | None = None,
-               dtype: torch.dtype | None = None) -> Path:
+               dtype: torch.dtype | None = None, weights: dict[str, torch.Tensor] | None = None) -> Path:
     """Write an HF model directory atomically: model.safetensors, config.json, generation_config.json,
-    and the tokenizer files copied from `tokenizer_dir` (the directory the model was loaded from)."""
+    and the tokenizer files copied from `tokenizer_dir` (the directory the model was loaded from).
+    weights: the state dict to write (default: the model's own)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"cannot save a model to {out_dir}: it exists and is not a directory")
     cfg = model.config
     state = {}
-    for k, v in model.state_dict().items():
+    for k, v in (model.state_dict() if weights is None else weights).items():
         if cfg.tie_word_embeddings and k == "lm_head.weight":
             continue  # tied: transformers re-ties it from the embedding on load
         state[k] = v.detach().to(dtype or v.dtype, copy=False).contiguous().cpu()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # TrainConfig.weights -> the policy's dtype
+PARALLEL = ("ddp", "fsdp")  # TrainConfig.parallel: under torchrun, weights replicated or sharded over ranks
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class TrainConfig:
     weights: str = "fp32"             # fp32 master weights (+ bf16 autocast on CUDA), or bf16 (optim.py)
     compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference,
                                       # batch and length dimensions dynamic: one graph per grad mode
+    parallel: str = "ddp"             # the update under torchrun: DDP or FSDP2 (distributed.py); none alone
 
     @property
     def rows_per_step(self) -> int:
@@ -92,6 +94,8 @@ class TrainConfig:
             raise ValueError("samples_per_prompt must be >= 2: a group of one always has zero advantage")
         if self.weights not in WEIGHT_DTYPES:
             raise ValueError(f"weights must be one of {sorted(WEIGHT_DTYPES)}, got {self.weights!r}")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"parallel must be one of {PARALLEL}, got {self.parallel!r}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if not 0.0 < self.temperature:
@@ -114,10 +118,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
-# Settings that may change when resuming: they do not alter the training trajectory.
+# Settings that may change when resuming: they do not alter the training trajectory (parallel, like the
+# world size, only the rounding: checkpoints hold the full state either way).
 RESUMABLE_CHANGES = {"steps", "eval_every", "eval_limit", "eval_batch_size", "eval_max_new_tokens", "eval_samples",
-                     "eval_temperature",
-                     "save_every", "keep_checkpoints", "sample_every", "num_samples"}
+                     "eval_temperature", "save_every", "keep_checkpoints", "sample_every", "num_samples", "parallel"}
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

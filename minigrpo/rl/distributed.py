@@ -5,11 +5,14 @@ The design keeps a data-parallel run a pure re-partitioning of the single-proces
     contiguous block of B/W prompts (and their G*B/W seeds). Groups never span ranks, so advantages stay
     local, and the union of the ranks' rollouts is exactly the single-process rollout (sampling is
     counter-based per sequence seed).
-  - the update goes through PyTorch DDP, which *averages* gradients over ranks. Each rank scales its loss by
-    W, so the average is the sum of the ranks' parts of the Dr. GRPO loss normalised by the full minibatch
-    (M rows x max_new_tokens): the same gradient as the single-process step.
-  - all replicated state (weights, AdamW state, sampler position) is identical on every rank, so rank 0
-    alone writes checkpoints, and a checkpoint resumes under any world size that divides B.
+  - the update goes through PyTorch DDP (`--parallel ddp`: weights, gradients and AdamW state replicated) or
+    FSDP2 (`--parallel fsdp`: each rank holds 1/W of them), which both *average* gradients over ranks. Each
+    rank scales its loss by W, so the average is the sum of the ranks' parts of the Dr. GRPO loss normalised
+    by the full minibatch (M rows x max_new_tokens): the same gradient as the single-process step.
+  - FSDP gathers each layer's weights in every forward and backward, a collective: every rank runs the same
+    number of forwards, padding with zero-weight stand-in rows (Trainer._micro_batches, Trainer._score).
+  - checkpoints hold the full state, gathered to global rank 0, which alone writes them (into a run folder
+    that every node sees), so a checkpoint resumes under either mode and any world size that divides B.
 
 `Dist()` (world 1) is the single-process case: every helper is the identity and nothing touches
 torch.distributed, so a run without torchrun's environment behaves exactly as before.
@@ -19,11 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -99,7 +104,8 @@ def init_from_env(device: str) -> tuple[Dist, str]:
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     tdist.init_process_group("nccl" if on_cuda else "gloo", rank=rank, world_size=world,
-                             timeout=timedelta(minutes=30))  # rank 0 evaluates alone: others wait for it
+                             device_id=torch.device(device) if on_cuda else None,
+                             timeout=timedelta(minutes=30))  # rank 0 writes checkpoints alone: others wait
     return Dist(rank, world, local_rank, device if on_cuda else "cpu"), device
 
 
@@ -126,33 +132,62 @@ class _Forward(torch.nn.Module):
         return self.fn(self.model, batch, *args)
 
 
+# FSDP2 warns when a wrapped module returns a view, in case the caller modifies it in place, which would bypass
+# its backward hook. Log-probs come back as views (`.view(n, C)`) and the trainer only reads them.
+warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDP_Forward\) returned a view", UserWarning)
+
+
+def _fully_shard(module: _Forward, **root) -> _Forward:
+    """FSDP2 units: each decoder layer, and the root (embedding, final norm and LM head, tied or not). The
+    weights keep their dtype in the forward (fp32 master weights run under autocast, as with DDP); gradients
+    are reduced in fp32 whatever the weights' dtype (reduce_dtype), then cast to it (GradSync)."""
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for layer in module.model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(module, mp_policy=policy, **root)
+
+
+def frozen_forward(model: torch.nn.Module, fn, dist: Dist, parallel: str) -> torch.nn.Module:
+    """`fn(model, batch)` as a module, for a model that is only scored (the KL reference): sharded like the
+    policy under FSDP, resharding after each forward (there is no backward to do it), else as it is."""
+    module = _Forward(model, fn)
+    return _fully_shard(module, reshard_after_forward=True) if parallel == "fsdp" and dist.world > 1 else module
+
+
 class GradSync:
-    """The policy's training forward, with gradient accumulation that all-reduces once per optimizer step.
+    """The policy's training forward, with gradient accumulation that reduces once per optimizer step.
 
     For each micro-batch, run `policy(batch)` and the backward of its loss (times `loss_scale`) inside
     `policy.accumulate(first, last)`: only the last micro-batch's backward all-reduces (DDP's no_sync for
-    the others). Every rank must make one last=True backward per optimizer step, so a rank without rows of
-    its own in a minibatch backwards a stand-in row at zero weight (Trainer._update). With W = 1 this is the
-    plain forward and plain backward.
+    the others). FSDP reduce-scatters every micro-batch's fp32 gradient into the shards' fp32 gradients, the
+    least memory, except for bf16 weights, whose shards would sum in bf16: there it keeps the micro-batches'
+    fp32 sum whole (4 bytes per parameter, unsharded) until the last one (set_requires_gradient_sync).
+    Every rank makes the same backwards (distributed.py's doc). With W = 1 this is the plain forward and
+    plain backward, whatever `parallel`.
 
     bf16 parameters (`--weights bf16`) sum three or more micro-batch gradients in fp32: summed in bf16, each
     addition would round to 8 significant bits of the running sum, and a micro-batch small against the
-    sum so far would be lost. From the second micro-batch of three or more on, the gradients live in an fp32
-    sum (4 bytes per parameter in place of the 2 of a bf16 gradient): the first one's moves there, and a
-    hook moves each later one there as it lands. The last micro-batch's backward adds to that sum rounded
-    to bf16, and DDP all-reduces the result. So the gradient is the exact sum up to two bf16 roundings,
-    whatever the number of micro-batches. Two micro-batches need no fp32 sum: bf16 addition rounds the
-    exact sum of two bf16 numbers once, so the second backward simply adds to the first's gradient.
+    sum so far would be lost. FSDP sums in fp32 itself (above). Otherwise, from the second
+    micro-batch of three or more on, the gradients live in an fp32 sum (4 bytes per parameter in place of
+    the 2 of a bf16 gradient): the first one's moves there, and a hook moves each later one there as it
+    lands. The last micro-batch's backward adds to that sum rounded to bf16, and DDP all-reduces the result.
+    So the gradient is the exact sum up to two bf16 roundings, whatever the number of micro-batches. Two
+    micro-batches need no fp32 sum: bf16 addition rounds the exact sum of two bf16 numbers once, so the
+    second backward simply adds to the first's gradient.
     """
 
-    def __init__(self, model: torch.nn.Module, fn, dist: Dist):
-        self.dist = dist
+    def __init__(self, model: torch.nn.Module, fn, dist: Dist, parallel: str = "ddp"):
+        self.dist, self.sharded = dist, parallel == "fsdp" and dist.world > 1
+        self._bf16_weights = next(model.parameters()).dtype == torch.bfloat16
         module = _Forward(model, fn)
-        # DDP broadcasts rank 0's weights here: the ranks start identical even if their inits differed.
-        self.module = DistributedDataParallel(module) if dist.world > 1 else module
+        if self.sharded:  # replaces the parameters by their shards (DTensors): build the optimizer after this
+            self.module = _fully_shard(module)
+        else:  # DDP broadcasts rank 0's weights here: the ranks start identical even if their inits differed
+            self.module = DistributedDataParallel(module) if dist.world > 1 else module
         self._sums: dict[torch.nn.Parameter, torch.Tensor] = {}  # fp32 sums of this step's earlier micro-batches
         self._summing = False
-        self._bf16 = [p for p in model.parameters() if p.requires_grad and p.dtype == torch.bfloat16]
+        self._bf16 = [p for p in model.parameters()
+                      if p.requires_grad and p.dtype == torch.bfloat16 and not self.sharded]
         for p in self._bf16:
             p.register_post_accumulate_grad_hook(self._add_to_fp32_sum)
 
@@ -164,6 +199,10 @@ class GradSync:
 
     @contextlib.contextmanager
     def accumulate(self, first: bool, last: bool):
+        if self.sharded:
+            self.module.set_requires_gradient_sync(last or not self._bf16_weights)
+            yield
+            return
         self._summing = not first and not last
         if self._summing:  # a middle micro-batch: the first one's gradient moves into the fp32 sum
             for p in self._bf16:
@@ -183,5 +222,5 @@ class GradSync:
 
     @property
     def loss_scale(self) -> float:
-        """DDP averages gradients over ranks; the Dr. GRPO loss is a sum over the minibatch's rows."""
+        """DDP and FSDP average gradients over ranks; the Dr. GRPO loss is a sum over the minibatch's rows."""
         return float(self.dist.world)

@@ -27,9 +27,12 @@ update (one micro-batch's forward and backward, the optimizer step's gradients):
 scoring (the no-grad reference / old log-prob passes; they hold no gradients):
   one layer's transient working set for a scoring batch, plus its LM-head chunk
 
-Under FSDP the weights, gradients, optimizer and reference terms would each divide by W (`_per_parameter`);
-an engine that shares the policy's bf16 weights drops engine_copy, and one that frees its KV pool for the
-update moves kv_pool out of resident.
+Under FSDP (`--parallel fsdp`, W > 1) the weights, optimizer and reference divide by W; the gradients are
+this rank's shard, plus with bf16 weights and several micro-batches their fp32 sum, kept whole until the
+last one's reduce-scatter (distributed.GradSync); fsdp_gathered: the root unit (embedding, LM head, final
+norm) and two layers, gathered whole; the engine keeps its own copy; there are no DDP buckets. An engine
+that shares the policy's bf16 weights drops engine_copy, and one that frees its KV pool for the update
+moves kv_pool out of resident.
 The estimate counts allocated bytes (what torch.cuda.max_memory_allocated reports) for the longest prompt
 the data holds; train.py adds a margin for what the caching allocator reserves beyond them.
 
@@ -136,20 +139,25 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
     ms = max(2 if compiled else 1, min(cfg.score_batch_size, cfg.rows_per_step // world))
     T = prompt_tokens + cfg.max_new_tokens
 
+    fsdp = cfg.parallel == "fsdp" and world > 1
     resident = _per_parameter(P, cfg, fp32_sums=w == 2 and rows > cfg.micro_batch_size)
     gradients = resident.pop("gradients")
+    if fsdp:
+        root = V * C * (1 if m.tie_word_embeddings else 2) + C
+        resident = {k: v // world for k, v in resident.items()} | {"fsdp_gathered": (root + 2 * (P - root) // L) * w}
+        gradients = P * w // world + (P * 4 if w == 2 and rows > cfg.micro_batch_size else 0)
     # autocast casts every matmul weight but the embedding, and the LM head (the embedding itself when tied)
     resident["weight_casts"] = 2 * (P - L * 2 * C - C - (0 if m.tie_word_embeddings else V * C)) if amp else 0
     if engine is not None:
         free = None if capacity is None else capacity - resident["weights"]
         e = 2 if cuda else 4
         resident.update(_engine(m, engine, P, max(1, cfg.prompts_per_step // world), prompt_tokens, e, free,
-                                shared=e == w))
+                                shared=e == w and not fsdp))
 
     layer = _layer_bytes(m, a, r) * (1 if compiled else EAGER_FACTOR) * mb * T          # one layer's batch
     kept = L * mb * T * r * C + 2 * layer if cfg.activation_checkpointing else (L + 1) * layer
     scored = mb * cfg.max_new_tokens                                                      # log-probs taken
-    update = {"gradients": gradients, "ddp_buckets": P * w if world > 1 else 0, "activations": int(kept),
+    update = {"gradients": gradients, "ddp_buckets": P * w if world > 1 and not fsdp else 0, "activations": int(kept),
               "lm_head": _logits(cfg, scored, V) + scored * C * (a + 4)}  # + hidden states, their fp32 grad
     KD = m.num_key_value_heads * m.head_dim
     scoring = (ms * T * (2 * r * C + a * (2 * C + 2 * KD + 3 * m.intermediate_size))     # one layer, no grad

@@ -23,6 +23,12 @@ and launch) that a small tensor's work does not cover. Element i of the concaten
 index, so the grouping does not change a single rounding. Eager, `chunk` bounds the fp32 temporaries;
 compiled, they live in registers and `chunk` only sets the call count.
 
+Sharded parameters (FSDP: DTensors, each rank holding a block of rows) are updated shard by shard, each
+element with the noise of its index in the whole model, so a sharded step equals the unsharded one, under
+any number of ranks. (Shards of consecutive parameters are not consecutive in that index, so they are not
+grouped.) The state is created with the optimizer, not at the first step: torch.distributed.checkpoint's
+state-dict helpers would otherwise create it with a zero-learning-rate `step()`, which takes no seed here.
+
 Shape legend: n elements of one chunk.
 """
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from minigrpo.model.sampling import M31, mix31
 
@@ -80,6 +87,8 @@ class StochasticAdamW(torch.optim.Optimizer):
                     raise ValueError(f"StochasticAdamW is for bf16 parameters, got {p.dtype} "
                                      f"(use torch.optim.AdamW for fp32 master weights)")
                 devices.add(p.device.type)
+                self.state[p] = {"step": torch.zeros((), dtype=torch.float32),  # on the CPU, as torch's AdamW
+                                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}  # bf16, like p
         if compile is None:
             compile = devices == {"cuda"}
         # Compiled, fewer calls are faster (bench/optim.py); eager, 4M elements bound the fp32 temporaries.
@@ -90,46 +99,56 @@ class StochasticAdamW(torch.optim.Optimizer):
     def step(self, seed: int) -> None:
         """One step; seed (any int) picks the rounding noise (module doc)."""
         streams = mix31(torch.tensor([seed & M31]) + torch.arange(3)) & M31              # (3,) w, m, v
-        offset = 0  # element index across all parameters: every element gets its own noise
+        start = 0  # element index across all parameters: every element gets its own noise
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            params = [p for p in group["params"] if p.grad is not None]
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)  # a CPU tensor, as torch's AdamW keeps
-                    state["exp_avg"] = torch.zeros_like(p)                # it: no device sync
-                    state["exp_avg_sq"] = torch.zeros_like(p)             # bf16, like p
-                state["step"] += 1
+            params = []  # (parameter, the index of its first element here: on this rank, when sharded)
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["step"] += 1
+                    params.append((p, start + _first_index(p)))
+                start += p.numel()  # of the whole parameter, when sharded
             # Runs of parameters on one device at one step count share the step's constants.
-            for (device, t), run in itertools.groupby(params, lambda p: (p.device, self.state[p]["step"].item())):
+            for (device, t), run in itertools.groupby(params, lambda q: (q[0].device, self.state[q[0]]["step"].item())):
                 hyper = torch.tensor([lr / (1 - b1 ** t), b1, b2, eps, 1 - lr * wd, 1 - b2 ** t]).to(device)
                 seeds = streams.to(device)
-                quads = [(p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]) for p in run]
-                for piece in _chunks(quads, self.chunk):
+                quads = [((p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]), first)
+                         for p, first in run]
+                for piece, offset in _chunks(quads, self.chunk):
                     w, g, m, v = (torch.cat(x) if len(piece) > 1 else x[0] for x in zip(*piece))  # (n,) each
                     self._update(w, g, m, v, hyper, seeds, offset)
                     if len(piece) > 1:  # concatenated: copy the results back
                         for j, new in ((0, w), (2, m), (3, v)):
                             torch._foreach_copy_([q[j] for q in piece], new.split([q[0].numel() for q in piece]))
-                    offset += w.numel()
+
+
+def _first_index(p: torch.Tensor) -> int:
+    """The index in p of its first element this process holds: 0, or where this rank's block of rows starts
+    in a DTensor that FSDP shards (dim 0, split as torch.chunk splits)."""
+    if not isinstance(p, DTensor):
+        return 0
+    assert p.placements == (Shard(0),), f"expected FSDP's dim-0 sharding, got {p.placements}"
+    rows = -(-p.shape[0] // p.device_mesh.size())                                  # rows per rank
+    return min(p.device_mesh.get_local_rank() * rows, p.shape[0]) * (p.numel() // p.shape[0])
 
 
 def _chunks(quads, chunk: int):
-    """The elements of (w, g, m, v) tensor quadruples, in order, as pieces: lists of flat views that hold at
-    most `chunk` elements together. A tensor of at least chunk / 4 elements is cut alone into chunks; smaller
-    consecutive ones share a piece."""
-    piece, size = [], 0
-    for quad in quads:
-        flat = [x.view(-1) for x in quad]                                                # (n,) each
+    """((w, g, m, v), index of w's first element in the model) quadruples, in order, as pieces: (lists of flat
+    views that hold at most `chunk` elements together, the index of the piece's first element). A tensor of
+    at least chunk / 4 elements is cut alone into chunks; smaller ones share a piece when their elements
+    follow each other in the model."""
+    piece, size, begin = [], 0, 0
+    for quad, first in quads:
+        flat = [(x.to_local() if isinstance(x, DTensor) else x).view(-1) for x in quad]  # (n,) each: this rank's
         n = flat[0].numel()
-        if piece and (size + n > chunk or 4 * n >= chunk):
-            yield piece
+        if piece and (size + n > chunk or 4 * n >= chunk or first != begin + size):
+            yield piece, begin
             piece, size = [], 0
         if 4 * n >= chunk:
-            yield from ([c] for c in zip(*(x.split(chunk) for x in flat)))
+            yield from (([c], first + k * chunk) for k, c in enumerate(zip(*(x.split(chunk) for x in flat))))
         else:
+            begin = begin if piece else first
             piece.append(flat)
             size += n
     if piece:
-        yield piece
+        yield piece, begin

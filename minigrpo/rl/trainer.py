@@ -22,7 +22,8 @@ One step (`Trainer.step`, which reads as this list; each stage is one call, the 
                the engine shares the policy's memory (`--weights bf16` on CUDA: engine/decode.py)
 The LR (linear warmup, then constant or cosine) is a function of the step number: no scheduler state.
 Data parallel (torchrun, `dist`): each rank rolls out its block of the B prompts and the update runs
-through DDP; the math is the single-process step's (distributed.py). Step metrics are over all ranks.
+through DDP or FSDP (`parallel`); the math is the single-process step's (distributed.py). Step metrics are
+over all ranks.
 All randomness is derived from (seed, step, ...) on the spot, never from a global generator, so a
 resumed run reproduces an uninterrupted one.
 
@@ -44,11 +45,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import state_dict as dcp
 
 from minigrpo.model.sampling import SamplingParams
 from minigrpo.rl.config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
 from minigrpo.rl.data import EpochSampler
-from minigrpo.rl.distributed import Dist, GradSync
+from minigrpo.rl.distributed import Dist, GradSync, frozen_forward
 from minigrpo.rl.grpo import dr_grpo_loss, group_advantages, nonzero_groups, truncated_is_weights
 from minigrpo.rl.optim import StochasticAdamW
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
@@ -74,6 +76,7 @@ class _Rows:
     adv: torch.Tensor                 # advantages (n,)
     rollout_logp: torch.Tensor        # the sampler's log-probs of the completion tokens (n, C)
     position: dict[int, int]          # global rollout row -> row of `batch`; empty for a stand-in row
+    most: int                         # the most rows any rank trains (>= 1): all run as many forwards
 
     @property
     def mask(self) -> torch.Tensor:
@@ -121,16 +124,18 @@ class Trainer:
                 for layer in m.model.layers:
                     layer.compile()
             _fail_past_recompile_limit()
-        if cfg.weights == "bf16":
+        self.sampler = EpochSampler(len(task), cfg.seed)  # the global prompt order, the same on every rank
+        self.dist = dist
+        dist.shard(range(cfg.prompts_per_step), "prompts per step (-B)")  # fails now, not at step 1
+        self.policy = GradSync(model, self._logprobs, dist, cfg.parallel)  # the training forward (DDP / FSDP)
+        self.ref_forward = (frozen_forward(self.ref, self._logprobs, dist, cfg.parallel)  # scores the KL anchor
+                            if self.ref is not None else None)
+        if cfg.weights == "bf16":  # after GradSync: FSDP replaces the parameters by their shards
             self.optimizer = StochasticAdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                              weight_decay=cfg.weight_decay)
         else:
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                                weight_decay=cfg.weight_decay, fused=self.device.type == "cuda")
-        self.sampler = EpochSampler(len(task), cfg.seed)  # the global prompt order, the same on every rank
-        self.dist = dist
-        dist.shard(range(cfg.prompts_per_step), "prompts per step (-B)")  # fails now, not at step 1
-        self.policy = GradSync(model, self._logprobs, dist)  # the training forward (DDP when W > 1)
         self.step_idx = 0
         self.last_rollout: dict | None = None  # the latest step's prompts, completions and rewards
 
@@ -157,7 +162,7 @@ class Trainer:
         if not trained.any():  # no group on any rank has a reward spread (and beta = 0): nothing to learn
             m["skipped_update"] = True
         else:
-            rows = self._training_rows(prompts, rollout, adv, train)
+            rows = self._training_rows(prompts, rollout, adv, train, trained)
             ref_logp, old_logp, entropy = self._reference_and_old_logprobs(rows)               # 4. log-probs
             timer.lap("logprobs")
             with self._update_memory(m):
@@ -203,26 +208,28 @@ class Trainer:
         self.last_rollout = {"examples": examples, "completions": rollout.tokens, "rewards": [s[0] for s in scores]}
         return torch.tensor([s[0] for s in scores], dtype=torch.float32), [s[1] for s in scores]
 
-    def _training_rows(self, prompts, rollout, adv: torch.Tensor, train: torch.Tensor) -> _Rows:
-        """This rank's rows to train, as one right-padded batch with their advantages and sampling log-probs.
-        A rank with none still joins every gradient all-reduce: it gets a stand-in row (trained at weight 0)."""
+    def _training_rows(self, prompts, rollout, adv: torch.Tensor, train: torch.Tensor, trained: torch.Tensor) -> _Rows:
+        """This rank's rows to train (train (R,)), as one right-padded batch with their advantages and sampling
+        log-probs; trained (N,): every rank's. A rank with none still joins every gradient reduction: it gets
+        a stand-in row (trained at weight 0)."""
         G = self.cfg.samples_per_prompt
         kept = train.nonzero().squeeze(1).tolist()
         index = kept or [0]
         batch = SequenceBatch.build([prompts[r // G] for r in index], [rollout.tokens[r] for r in index],
                                     pad_id=self.pad_id, stop_ids=self.stops.ids, device=self.device)
         offset = self.dist.rank * len(train)  # the global index of this rank's first rollout row
+        most = max(1, int(trained.view(self.dist.world, -1).sum(1).max()))  # the most rows of one rank
         return _Rows(batch, adv[index].to(self.device), pad_rows([rollout.logprobs[r] for r in index], batch.C,
                                                                  self.device),
-                     {offset + r: j for j, r in enumerate(kept)})
+                     {offset + r: j for j, r in enumerate(kept)}, most)
 
     def _reference_and_old_logprobs(self, rows: _Rows):
         """Stage 4: the KL reference's log-probs (beta > 0), and the old policy's with its entropy, (n, C) each.
         With one minibatch per epoch the old ones come free from the first epoch's forward: None, None."""
-        ref_logp = self._score(self.ref, rows.batch)[0] if self.ref is not None else None
+        ref_logp = self._score(self.ref_forward, rows.batch, rows.most)[0] if self.ref is not None else None
         if self.cfg.rows_per_minibatch == self.cfg.rows_per_step:
             return ref_logp, None, None
-        return (ref_logp, *self._score(self.model, rows.batch, return_entropy=True))
+        return (ref_logp, *self._score(self.policy, rows.batch, rows.most, return_entropy=True))
 
     def _update(self, rows: _Rows, old_logp, entropy, ref_logp, trained: torch.Tensor):
         """Stage 5: K epochs of minibatch AdamW steps. old/ref_logp, entropy (n, C); trained (N,): the step's
@@ -234,12 +241,12 @@ class Trainer:
         if fill:
             old_logp, entropy = torch.zeros_like(rows.rollout_logp), torch.zeros_like(rows.rollout_logp)
         sums = UpdateSums(self.device)
-        for k, epoch, minibatch in self._minibatches(rows, trained):
+        for k, epoch, minibatch, count in self._minibatches(rows, trained):
             self.optimizer.zero_grad(set_to_none=True)
-            for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch, rows.batch)):
+            for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch, count, rows.batch)):
                 mb, idx = self._select(rows.batch, micro)                                      # (m, T'), (m,)
-                with self.policy.accumulate(u == 0, last):  # the last backward all-reduces (DDP)
-                    if fill and epoch == 0:
+                with self.policy.accumulate(u == 0, last):  # the last backward reduces (DDP / FSDP)
+                    if fill and epoch == 0 and weight:
                         logp, ent = self.policy(mb, True)                                      # (m, C') each
                         n, real = len(micro), idx[:len(micro)]
                         old_logp[real, :mb.C], entropy[real, :mb.C] = logp[:n].detach(), ent[:n]
@@ -266,31 +273,33 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- plumbing
 
     def _minibatches(self, rows: _Rows, trained: torch.Tensor):
-        """(k, epoch, this rank's rows of the minibatch) for each of the K epochs x N/M minibatches that hold a
-        row to train on any rank. A shared permutation of all ranks' rows draws them, so every rank takes the
-        same optimizer steps; k numbers the minibatch among all of them, skipped ones included."""
-        cfg = self.cfg
-        N, M = cfg.rows_per_step, cfg.rows_per_minibatch
+        """(k, epoch, this rank's rows of the minibatch, micro-batches per rank) for each of the K epochs x N/M
+        minibatches that hold a row to train on any rank. A shared permutation of all ranks' rows draws them,
+        so every rank takes the same optimizer steps; k numbers the minibatch among all of them, skipped ones
+        included. Every rank runs as many micro-batches as the rank with the most rows of the minibatch needs."""
+        cfg, W = self.cfg, self.dist.world
+        N, M, R = cfg.rows_per_step, cfg.rows_per_minibatch, cfg.rows_per_step // W
+        trained = trained.tolist()
         for epoch in range(cfg.inner_epochs):
             order = np.random.default_rng([cfg.seed, _SHUFFLE, self.step_idx, epoch]).permutation(N).tolist()
             for start in range(0, N, M):
-                drawn = order[start:start + M]
-                if trained[drawn].any():
-                    yield epoch * (N // M) + start // M, epoch, [rows.position[r] for r in drawn if r in rows.position]
+                drawn = [r for r in order[start:start + M] if trained[r]]
+                if drawn:
+                    mine = [rows.position[r] for r in drawn if r in rows.position]
+                    most = max(sum(r // R == q for r in drawn) for q in range(W))  # rows of the fullest rank
+                    yield epoch * (N // M) + start // M, epoch, mine, -(-most // cfg.micro_batch_size)
 
-    def _micro_batches(self, minibatch: list[int], batch: SequenceBatch):
-        """(rows, last, loss weight) of each micro-batch: the minibatch's rows longest first, so that rows of
-        about one length share a micro-batch and pad little. The loss of every micro-batch is normalised by the
-        whole minibatch, so the grouping leaves the gradient the minibatch's. The weight is DDP's loss scale
-        (1.0, exact, with one rank); a rank with none of the minibatch's rows backwards a stand-in row at
-        weight 0, because DDP needs a backward from every rank."""
+    def _micro_batches(self, minibatch: list[int], count: int, batch: SequenceBatch):
+        """(rows, last, loss weight) of each of `count` micro-batches: the minibatch's rows longest first, so that
+        rows of about one length share a micro-batch and pad little. The loss of every micro-batch is normalised
+        by the whole minibatch, so the grouping leaves the gradient the minibatch's. The weight is the loss
+        scale of DDP / FSDP (1.0, exact, with one rank). Past its own rows a rank backwards a stand-in row at
+        weight 0: every rank must make the same backwards (and forwards, with FSDP)."""
         size = self.cfg.micro_batch_size
         minibatch = sorted(minibatch, key=lambda r: -(batch.prompt_lens[r] + batch.completion_lens[r]))
-        micro = [minibatch[u:u + size] for u in range(0, len(minibatch), size)]
-        if not micro:
-            yield [0], True, 0.0
-        for u, sub in enumerate(micro):
-            yield sub, u == len(micro) - 1, self.policy.loss_scale
+        for u in range(count):
+            sub = minibatch[u * size:(u + 1) * size]
+            yield sub or [0], u == count - 1, self.policy.loss_scale if sub else 0.0
 
     def _select(self, batch: SequenceBatch, rows: list[int]) -> tuple[SequenceBatch, torch.Tensor]:
         """`rows` of `batch`, and their index into the per-row tensors (m,). For a compiled policy a single row
@@ -327,17 +336,18 @@ class Trainer:
                  peak_mem_before_update_gb=peak_before / 2**30)
 
     @torch.no_grad()
-    def _score(self, model, batch: SequenceBatch, return_entropy: bool = False):
-        """Log-probs (and entropy) of every row of `batch` under `model`, micro-batched, no grad. (n, C) each."""
-        n, C = len(batch.prompt_lens), batch.C
+    def _score(self, forward, batch: SequenceBatch, most: int = 0, return_entropy: bool = False):
+        """Log-probs (and entropy) of every row of `batch` under `forward(batch, return_entropy)`, micro-batched,
+        no grad. (n, C) each. As many forwards as `most` rows need (the most any rank has), past n on stand-ins."""
+        n, C, size = len(batch.prompt_lens), batch.C, self.cfg.score_batch_size
         logp = torch.zeros((n, C), dtype=torch.float32, device=self.device)
         entropy = torch.zeros((n, C), dtype=torch.float32, device=self.device) if return_entropy else None
-        for s in range(0, n, self.cfg.score_batch_size):
-            rows = list(range(s, min(s + self.cfg.score_batch_size, n)))
-            mb, _ = self._select(batch, rows)
-            out = self._logprobs(model, mb, return_entropy)
+        for s in range(0, max(n, most), size):
+            rows = list(range(s, min(s + size, n)))
+            mb, _ = self._select(batch, rows or [0])
+            out = forward(mb, return_entropy)
             lp, ent = out if return_entropy else (out, None)
-            logp[s:s + len(rows), :mb.C] = lp[:len(rows)]                # padding rows dropped
+            logp[s:s + len(rows), :mb.C] = lp[:len(rows)]                # padding rows and stand-ins dropped
             if return_entropy:
                 entropy[s:s + len(rows), :mb.C] = ent[:len(rows)]
         return logp, entropy
@@ -351,15 +361,18 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- checkpoints
 
     def save(self) -> Path:
-        """Rank 0 writes the checkpoint (the state is replicated); the others wait until it is complete.
-        Weights with NaN or inf are never saved (NonFiniteError)."""
+        """Rank 0 writes the checkpoint: the full weights and AdamW state (by parameter name), gathered from
+        the shards under FSDP; the others wait until it is complete. Weights with NaN or inf are never saved
+        (NonFiniteError)."""
         bad = nonfinite(self.model)
         if bad:
             raise NonFiniteError(self.step_idx, bad)
-        state = {"config": asdict(self.cfg), "optimizer": self.optimizer.state_dict(),
-                 "sampler": self.sampler.state_dict()}
+        full = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0, in host memory; {} elsewhere
+        weights = dcp.get_model_state_dict(self.model, options=full)
+        optimizer = dcp.get_optimizer_state_dict(self.model, self.optimizer, options=full)
+        state = {"config": asdict(self.cfg), "optimizer": optimizer, "sampler": self.sampler.state_dict()}
         if self.dist.is_main:
-            save_checkpoint(self.out_dir / "checkpoints", self.step_idx, self.model, state,
+            save_checkpoint(self.out_dir / "checkpoints", self.step_idx, self.model, state, weights=weights,
                             tokenizer_dir=self.tokenizer_dir, keep=self.cfg.keep_checkpoints)
         self.dist.barrier()
         return self.out_dir / "checkpoints" / f"step_{self.step_idx:06d}"
@@ -378,7 +391,8 @@ class Trainer:
             diffs = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
             raise ValueError(f"cannot resume exactly: settings differ from the checkpoint's ({diffs}); "
                              f"rerun with the original values")
-        self.optimizer.load_state_dict(state["optimizer"])
+        dcp.set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                     options=dcp.StateDictOptions(full_state_dict=True))
         self.sampler.load_state_dict(state["sampler"])
         self.step_idx = state["step"]
         self.backend.load_weights(self.model)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from minigrpo.model.checkpoint import load_model, replace_dir, save_model
 from minigrpo.model.config import ModelConfig
@@ -58,11 +59,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *,
+def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *, weights: dict | None = None,
                     tokenizer_dir: str | Path | None = None, keep: int = 0) -> Path:
     """Write checkpoint `step_{step:06d}` under ckpt_root atomically, point `latest` at it, and keep the
     newest `keep` checkpoints up to this step (0 = all). A step that `latest` already names was saved and
-    has not moved since (no step in between): it is not written twice."""
+    has not moved since (no step in between): it is not written twice. weights: the model's full state
+    dict, when `model` holds only shards of it (FSDP)."""
     ckpt_root = Path(ckpt_root)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
@@ -71,7 +73,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *,
     tmp = ckpt_root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(model, tmp / "model", tokenizer_dir=tokenizer_dir)
+    save_model(model, tmp / "model", tokenizer_dir=tokenizer_dir, weights=weights)
     torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
     replace_dir(tmp, final)  # re-saving a step after a resume rewound the run: the new one replaces it
     set_latest(ckpt_root, final.name)
@@ -133,7 +135,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_checkpoint(path: str | Path, model, device: str | torch.device) -> dict:
-    """Copy the checkpoint's weights into `model` and return the trainer state (RNG states restored)."""
+    """Copy the checkpoint's weights into `model` (into its shards, under FSDP) and return the trainer state
+    (RNG states restored)."""
     path = resolve_checkpoint(path)
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"{path} has no {STATE_FILE}; the checkpoint is incomplete")
@@ -144,7 +147,7 @@ def load_checkpoint(path: str | Path, model, device: str | torch.device) -> dict
         raise ValueError(f"cannot resume from {path}: its model has another shape than this run's "
                          f"(checkpoint vs now: {', '.join(differ)}); resume with the model it was trained from")
     saved = load_model(path / "model", dtype=next(model.parameters()).dtype, device=device)
-    model.load_state_dict(saved.state_dict())
+    set_model_state_dict(model, saved.state_dict(), options=StateDictOptions(full_state_dict=True))
     state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     set_rng_state(state["rng"])
     return state

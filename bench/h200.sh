@@ -159,14 +159,17 @@ case "${1:-}" in
     for spec in "${@:2}"; do
       rm -rf ".rev/${spec%%=*}" && mkdir -p ".rev/${spec%%=*}" && git archive "${spec#*=}" | tar -x -C ".rev/${spec%%=*}"
     done ;;
-  speed)       # issue 20 (~7 min): 0.5B, 8 x 8 x 256, K = 2, beta 0.04, LEAN; one process and one cold compile cache
-               # per variant: before (.rev/before), levers 1-4 with static shapes and 32-row micro-batches
-               # (.rev/static), all levers with 16- and 32-row micro-batches; a profiled update of the last
-               # (bench/speed.py says what each column is). Carry .rev and .devdata.
+  speed)       # issue 20 (~6 min): 0.5B, 8 x 8 x 256, K = 2, beta 0.04, LEAN; one process and one cold compile cache
+               # per variant: levers 1-4 on static shapes (.rev/static) and all levers (dynamic shapes), 32-row
+               # micro-batches, and all levers with 1024-token LM-head chunks; profiled updates of the static
+               # and dynamic ones (bench/speed.py says what each column is). before (.rev/before) and 16 rows
+               # ran in calls 3-4 of session 9: add `--variant before=.rev/before --variant after16=.` for
+               # them. Carry .rev and .devdata.
     rand 0.5b
     python3 bench/speed.py --model-dir /tmp/rand05b --data "$DATA" --steps ${STEPS:-8} --profile after32 \
-      --variant before=.rev/before --variant static32=.rev/static:--micro-batch-size=32 \
-      --variant after16=. --variant after32=.:--micro-batch-size=32 "${@:2}" ;;
+      --profile static32 --variant static32=.rev/static:--micro-batch-size=32 \
+      --variant after32=.:--micro-batch-size=32 \
+      --variant after32c1024=.:--micro-batch-size=32,--logprob-chunk-size=1024 "${@:2}" ;;
   speedbig)    # the same at the 1.5B and 7B shapes (MODELS="15b 7b"; ~4 min each), before and after (32-row
                # micro-batches); TRL: the trl part
     for m in ${MODELS:-15b 7b}; do

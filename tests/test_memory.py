@@ -23,6 +23,7 @@ from minigrpo.rl.memory import EAGER_FACTOR, estimate, parameter_count
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs
 from minigrpo.rl.trainer import Trainer
 from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
+from minigrpo.tasks.templates import TEMPLATES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train  # noqa: E402
@@ -229,8 +230,8 @@ class ParityTask:
     """GSM8K prompts scored by the parity of the completion's token sum (bench/train_step.py's stand-in
     reward): random weights never solve GSM8K, and about half of each group scores 1, so every row trains."""
 
-    def __init__(self, prompts):
-        self.prompts = prompts
+    def __init__(self, prompts, tokenizer):
+        self.prompts, self.stops = prompts, TEMPLATES["chat"].stops(tokenizer)
 
     def __len__(self):
         return len(self.prompts)
@@ -265,7 +266,7 @@ def test_estimate_bounds_the_measured_peak_on_the_gpu(tmp_path, flags):
     longest = max(len(p) for p in prompts)
     backend = make_backend("sdpa", model, pad_id=tok.pad_id, compile="none", cuda_graphs=False,
                            max_seq_len=longest + 64, max_batch=16)
-    trainer = Trainer(cfg, model, tok, ParityTask(prompts), backend, tmp_path, echo=False)
+    trainer = Trainer(cfg, model, tok, ParityTask(prompts, tok), backend, tmp_path, echo=False)
     peak = max(trainer.step()["peak_mem_gb"] for _ in range(cfg.steps)) * 2**30
     e = estimate(model.config, cfg, prompt_tokens=longest, engine=backend.cfg)
     print(f"\n[memory {flags}] measured {peak / 2**30:.2f} GiB, estimated {e.total / 2**30:.2f} GiB ({e}), "

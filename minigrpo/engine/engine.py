@@ -86,10 +86,10 @@ class Engine:
         self._check_request(prompts, G, max_new_tokens, stop_ids, seeds)
         seeds = list(seeds) if seeds is not None else list(range(N))
         st = self.state
-        st.stops.fill_(NO_STOP)  # a stop id or token sequence per row, right-aligned (decode.ends_with_stop)
-        for row, s in enumerate(stop_ids):
-            s = (s,) if isinstance(s, int) else tuple(s)
-            st.stops[row] = torch.tensor((ANY_TOKEN,) * (STOP_LEN - len(s)) + s)
+        # A stop id or token sequence per row, right-aligned (decode.ends_with_stop): one copy to the device.
+        rows = [(s,) if isinstance(s, int) else tuple(s) for s in stop_ids]
+        st.stops.copy_(torch.tensor([(ANY_TOKEN,) * (STOP_LEN - len(s)) + s for s in rows]
+                                    + [(NO_STOP,) * STOP_LEN] * (MAX_STOPS - len(rows))))
         waiting = deque(range(len(prompts)))
         slot_seq: list[int] = []             # host mirror: sequence id of each live slot, in slot order
         seq_pages: dict[int, list[int]] = {}

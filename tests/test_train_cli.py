@@ -59,8 +59,6 @@ def test_help_documents_every_flag_and_each_default_once():
     (["--preset", "smoke", "--template", "r1"], "--preset smoke trains its own tiny random model on its own task; "
                                                 "drop --template"),
     (["--eval-samples", "4"], "--eval-samples=4 needs --eval-temperature > 0"),
-    (["--task", "jsonl", "--model-dir", str(QWEN_DIR), "--eval-every", "0"],
-     "--task jsonl reads local files only: pass --train-data FILE.jsonl"),
     (["--model-dir", "/nonexistent/model"], "/nonexistent/model is not a model directory"),
     (["--device", "banana"], "--device banana: not a torch device; use cpu, cuda or cuda:N"),
     (["--lr", "inf"], "--lr must be a finite number, got inf"),
@@ -183,6 +181,13 @@ def test_r1_template_on_a_jsonl_trains_and_evaluates_by_sampling(tmp_path, tiny_
     assert [r["step"] for r in records] == [0, 1] and all("eval_pass@2" in r for r in records)
     rows = [json.loads(ln) for ln in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert [(r["step"], r["index"]) for r in rows] == [(s, i) for s in (0, 1) for i in range(5)]
+
+
+def test_a_jsonl_task_needs_its_files(tmp_path, tiny_qwen_dir):
+    proc = run(["train.py", "--task", "jsonl", "--model-dir", str(tiny_qwen_dir), "--eval-every", "0", "--device",
+                "cpu", "--out", str(tmp_path / "run")])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == "error: --task jsonl reads local files only: pass --train-data FILE.jsonl"
 
 
 def test_math_offline_is_one_line_naming_the_flag(tmp_path, tiny_qwen_dir):

@@ -41,14 +41,16 @@ import torch
 from minigrpo.engine.rollout import ATTN_BACKENDS, make_backend
 from minigrpo.rl import distributed
 from minigrpo.rl.config import PARALLEL, WEIGHT_DTYPES, TrainConfig
-from minigrpo.rl.evaluate import add_task_flags
 from minigrpo.rl.loop import run
 from minigrpo.rl.memory import estimate
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import latest_name, remove_stale_temps
 from minigrpo.run.run_dir import check_out, move_aside
 from minigrpo.run.stopping import Interrupted, NonFiniteError, nonfinite
+from minigrpo.tasks.qa import SOURCES
 from minigrpo.tasks.task import prompt_budget
+from minigrpo.tasks.templates import TEMPLATES
+from minigrpo.tasks.verifier import REWARD_MODES
 
 # --preset sets these defaults; any flag given on the command line still wins.
 PRESETS = {
@@ -85,6 +87,40 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (all flags: --help)\n")
+
+
+def resolve_model_dir(model_dir: str | Path | None) -> Path:
+    """`model_dir` if given; otherwise weights/download.py's default directory, downloaded when missing."""
+    from weights.download import DEFAULT_DIR, DEFAULT_REPO, download
+
+    if model_dir is not None:
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json); download one with "
+                                    f"`python weights/download.py --out {model_dir}`")
+        return model_dir
+    if not (DEFAULT_DIR / "config.json").is_file() or not any(DEFAULT_DIR.glob("*.safetensors")):
+        print(f"no model at {DEFAULT_DIR}: downloading {DEFAULT_REPO} ...", file=sys.stderr)
+        download(DEFAULT_REPO, DEFAULT_DIR)  # offline: exits with a message saying what to do
+    return DEFAULT_DIR
+
+
+def add_task_flags(p) -> None:
+    """The flags that choose the data, the prompt template and the reward (train.py and evaluate.py)."""
+    p.add_argument("--task", choices=sorted(SOURCES), default="gsm8k",
+                   help="gsm8k or math (the Hub's, or local jsonl of their format), or jsonl: your own file, "
+                        "given with the data flags, with the fields below")
+    p.add_argument("--template", choices=list(TEMPLATES), default="chat",
+                   help="prompt template: chat (Qwen2.5 chat, the Qwen2.5-Math instruction), r1 (the R1-Zero "
+                        "plain-text template: <think>, then <answer>), qwen-math (chat with the Qwen2.5-Math "
+                        "system prompt), none (the bare question)")
+    p.add_argument("--question-field", default=None, help="the question's field in a jsonl record "
+                   "(default: the task's, 'question' for gsm8k and jsonl, 'problem' for math)")
+    p.add_argument("--answer-field", default=None, help="the answer's field (default: 'answer'; for math "
+                   "'solution', whose last \\boxed{} is the answer)")
+    p.add_argument("--reward", choices=REWARD_MODES, default=None,
+                   help="numeric: the final number; exact: the boxed (or <answer>) text; boxed: that, or "
+                        "symbolically equal by math-verify if installed (default: boxed for math, else numeric)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -298,7 +334,6 @@ def build_qa(args, dist: distributed.Dist):
     from minigrpo.model.checkpoint import load_model
     from minigrpo.model.config import ModelConfig
     from minigrpo.model.tokenizer import Tokenizer
-    from minigrpo.rl.evaluate import resolve_model_dir
     from minigrpo.tasks.task import load_task
 
     model_dir = resolve_model_dir(args.model_dir)

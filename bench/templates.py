@@ -34,8 +34,9 @@ from minigrpo.engine.rollout import make_backend  # noqa: E402
 from minigrpo.model.checkpoint import load_model  # noqa: E402
 from minigrpo.model.tokenizer import Tokenizer  # noqa: E402
 from minigrpo.rl.config import TrainConfig  # noqa: E402
+from minigrpo.rl.data import derive_seeds  # noqa: E402
 from minigrpo.rl.evaluate import evaluate  # noqa: E402
-from minigrpo.rl.trainer import Trainer, derive_seeds  # noqa: E402
+from minigrpo.rl.trainer import Trainer  # noqa: E402
 from minigrpo.tasks.qa import load_examples  # noqa: E402
 from minigrpo.tasks.task import QATask, prompt_budget  # noqa: E402
 from minigrpo.tasks.templates import TEMPLATES, Stops  # noqa: E402

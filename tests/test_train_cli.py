@@ -1,4 +1,4 @@
-"""train.py and `python -m minigrpo.rl.evaluate` as a user runs them: subprocesses, exit codes, files, messages
+"""train.py and `python evaluate.py` as a user runs them: subprocesses, exit codes, files, messages
 (and train.main in this process where a test pretends the GPU's free memory)."""
 
 import json
@@ -138,7 +138,7 @@ def test_prompts_over_the_budget_are_refused_at_start(tmp_path, tiny_qwen_dir, f
 
 
 def test_evaluation_without_test_data_says_what_to_pass(tmp_path, tiny_qwen_dir):
-    proc = run(["-m", "minigrpo.rl.evaluate", "--model-dir", str(tiny_qwen_dir), "--device", "cpu"],
+    proc = run(["evaluate.py", "--model-dir", str(tiny_qwen_dir), "--device", "cpu"],
                HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "--test-data" in proc.stderr
@@ -146,7 +146,7 @@ def test_evaluation_without_test_data_says_what_to_pass(tmp_path, tiny_qwen_dir)
 
 def test_standalone_evaluation(tmp_path, tiny_qwen_dir):
     out = tmp_path / "eval.jsonl"
-    proc = run(["-m", "minigrpo.rl.evaluate", "--model-dir", str(tiny_qwen_dir), "--test-data",
+    proc = run(["evaluate.py", "--model-dir", str(tiny_qwen_dir), "--test-data",
                 str(GSM8K / "test.jsonl"), "--limit", "3", "--max-new-tokens", "4", "--device", "cpu",
                 "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -157,7 +157,7 @@ def test_standalone_evaluation(tmp_path, tiny_qwen_dir):
 
 def test_sampled_evaluation_of_any_jsonl(tmp_path, tiny_qwen_dir):
     out = tmp_path / "eval.jsonl"
-    proc = run(["-m", "minigrpo.rl.evaluate", "--model-dir", str(tiny_qwen_dir), "--task", "jsonl", "--test-data",
+    proc = run(["evaluate.py", "--model-dir", str(tiny_qwen_dir), "--task", "jsonl", "--test-data",
                 str(TINY), "--question-field", "q", "--answer-field", "a", "--reward", "boxed", "--template", "r1",
                 "--eval-samples", "4", "--eval-temperature", "1", "--max-new-tokens", "4", "--device", "cpu",
                 "--out", str(out)])
@@ -166,7 +166,7 @@ def test_sampled_evaluation_of_any_jsonl(tmp_path, tiny_qwen_dir):
         in proc.stdout and "examples/s" in proc.stdout
     rows = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert [r["index"] for r in rows] == list(range(5)) and all(len(r["completions"]) == 4 for r in rows)
-    proc = run(["-m", "minigrpo.rl.evaluate", "--model-dir", str(tiny_qwen_dir), "--eval-samples", "4"])
+    proc = run(["evaluate.py", "--model-dir", str(tiny_qwen_dir), "--eval-samples", "4"])
     assert proc.returncode == 2 and "pass --eval-temperature > 0" in proc.stderr.splitlines()[-1]
 
 
@@ -191,7 +191,7 @@ def test_a_jsonl_task_needs_its_files(tmp_path, tiny_qwen_dir):
 
 
 def test_math_offline_is_one_line_naming_the_flag(tmp_path, tiny_qwen_dir):
-    proc = run(["-m", "minigrpo.rl.evaluate", "--model-dir", str(tiny_qwen_dir), "--task", "math", "--device", "cpu"],
+    proc = run(["evaluate.py", "--model-dir", str(tiny_qwen_dir), "--task", "math", "--device", "cpu"],
                HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("error: Could not download HuggingFaceH4/MATH-500/test.jsonl from the Hugging "

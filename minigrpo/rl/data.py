@@ -1,7 +1,8 @@
-"""Prompt order: an endless stream of example indices, a fresh seeded permutation every epoch.
+"""Seeded streams: the prompt order, and the seeds of rollouts, evaluation and rounding.
 
-The order is a pure function of (seed, epoch), so the sampler's whole state is (epoch, position): saving
-those two numbers is enough to resume mid-epoch on exactly the prompt the interrupted run would have used.
+Every random number is a pure function of (seed, stream tag, step, ...), never a generator's state, so a
+resumed run reproduces an uninterrupted one. The prompt order is an endless stream of example indices, a
+fresh permutation every epoch: the sampler's whole state is (epoch, position).
 """
 
 from __future__ import annotations
@@ -9,6 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 _STREAM = 0x5EED_DA7A  # keeps this stream of random numbers apart from other (seed, ...) users
+
+
+def derive_seeds(seed: int, tag: int, step: int, n: int) -> list[int]:
+    """n distinct-in-practice int64 seeds, a pure function of (seed, tag, step)."""
+    state = np.random.SeedSequence([seed, tag, step]).generate_state(n, dtype=np.uint64)
+    return (state >> np.uint64(1)).astype(np.int64).tolist()
 
 
 class EpochSampler:

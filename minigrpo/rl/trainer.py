@@ -49,7 +49,7 @@ from torch.distributed.checkpoint import state_dict as dcp
 
 from minigrpo.model.sampling import SamplingParams
 from minigrpo.rl.config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
-from minigrpo.rl.data import EpochSampler
+from minigrpo.rl.data import EpochSampler, derive_seeds
 from minigrpo.rl.distributed import Dist, GradSync, frozen_forward
 from minigrpo.rl.grpo import dr_grpo_loss, group_advantages, nonzero_groups, truncated_is_weights
 from minigrpo.rl.optim import StochasticAdamW
@@ -61,12 +61,6 @@ from minigrpo.run.stopping import NonFiniteError, nonfinite
 
 _ROLLOUT, _SHUFFLE, _ROUND = 0x5A3D, 0x5AFF, 0x5A40  # stream tags for (seed, tag, step, ...) derivation
 RECOMPILE_LIMIT = 32  # graphs one compiled decoder layer may need before that is an error (_fail_past_recompile_limit)
-
-
-def derive_seeds(seed: int, tag: int, step: int, n: int) -> list[int]:
-    """n distinct-in-practice int64 seeds, a pure function of (seed, tag, step)."""
-    state = np.random.SeedSequence([seed, tag, step]).generate_state(n, dtype=np.uint64)
-    return (state >> np.uint64(1)).astype(np.int64).tolist()
 
 
 @dataclass

@@ -1,0 +1,86 @@
+"""Evaluate a model directory: greedy accuracy, or k sampled completions per example with pass@k and mean@k.
+
+    python evaluate.py --model-dir checkpoints/qwen2.5-0.5b-instruct --test-data test.jsonl --limit 200
+    python evaluate.py --model-dir DIR --task math --template r1 --eval-samples 8 --eval-temperature 1
+    torchrun --nproc-per-node 4 evaluate.py ...     # each rank evaluates its share of the examples
+
+It takes train.py's task, template and evaluation flags; the numbers are minigrpo/rl/evaluate.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from minigrpo.engine.rollout import make_backend
+from minigrpo.model.checkpoint import load_model
+from minigrpo.model.tokenizer import Tokenizer
+from minigrpo.rl import distributed
+from minigrpo.rl.evaluate import decoded, evaluate
+from minigrpo.tasks.task import load_task, prompt_budget
+from train import add_task_flags, resolve_model_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default=None,
+                   help="HF model directory to evaluate (default: weights/download.py's directory, downloaded "
+                        "when missing)")
+    p.add_argument("--test-data", default=None, help="test jsonl (default: the task's test split from the Hub)")
+    add_task_flags(p)
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N test examples (default all)")
+    p.add_argument("--eval-samples", type=int, default=1, help="completions per example (default 1)")
+    p.add_argument("--eval-temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampled completions (default 0)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="generation budget per answer (default 512)")
+    p.add_argument("--batch-size", type=int, default=128, help="prompts generated together (default 128)")
+    p.add_argument("--attn", choices=["reference", "eager", "sdpa", "triton"], default=None,
+                   help="rollout backend: the reference generator or the fast engine with this attention "
+                        "(default: triton on CUDA, reference on CPU)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (default: cuda if available)")
+    p.add_argument("--out", type=Path, default=None, help="write one JSON line per example (completions, verdicts)")
+    args = p.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit must be >= 1, got {args.limit}")
+    if args.eval_samples < 1 or args.eval_temperature < 0 or not math.isfinite(args.eval_temperature):
+        p.error(f"need --eval-samples >= 1 and a finite --eval-temperature >= 0, got {args.eval_samples} and "
+                f"{args.eval_temperature}")
+    if args.eval_samples > 1 and args.eval_temperature == 0:
+        p.error(f"--eval-samples {args.eval_samples} at --eval-temperature 0 would be copies of one greedy "
+                f"completion; pass --eval-temperature > 0")
+
+    try:
+        dist, args.device = distributed.init_from_env(args.device)
+        model_dir = resolve_model_dir(args.model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        task = load_task(args.task, "test", tokenizer, path=args.test_data, template=args.template,
+                         reward_mode=args.reward, question_field=args.question_field, answer_field=args.answer_field)
+        dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+        model = load_model(model_dir, dtype=dtype, device=args.device).eval()
+        n = min(len(task), args.limit or len(task))
+        prompt_tokens = prompt_budget([(task, n)], model.config.max_position_embeddings, args.max_new_tokens)
+        attn = args.attn or ("triton" if model.lm_head.weight.is_cuda else "reference")
+        backend = make_backend(attn, model, pad_id=tokenizer.pad_id, max_seq_len=prompt_tokens + args.max_new_tokens)
+    except (OSError, ValueError, RuntimeError, ImportError) as e:
+        raise SystemExit(f"error: {e}") from None
+    res = evaluate(backend, task, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
+                   samples=args.eval_samples, temperature=args.eval_temperature, seed=args.seed, dist=dist)
+    if dist.is_main:
+        if args.out is not None:
+            args.out.write_text("".join(json.dumps(r) + "\n" for r in decoded(res["records"], tokenizer.decode)))
+        k = args.eval_samples
+        scores = (f"greedy accuracy {res['accuracy']:.4f}" if k == 1 else
+                  ", ".join(f"{key} {res[key]:.4f}" for key in res if key.startswith(("mean@", "pass@"))))
+        print(f"{scores} on {res['n']} {args.task} test examples ({args.template} template; mean length "
+              f"{res['completion_len_mean']:.0f} tokens, {res['truncated_frac']:.1%} truncated, {res['seconds']:.0f}s, "
+              f"{res['examples_per_s']:.2f} examples/s)")
+    distributed.shutdown(dist, together=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,14 +5,9 @@ import math
 import pytest
 import torch
 
-from minigrpo.rl.grpo import (
-    completion_mask,
-    dr_grpo_loss,
-    group_advantages,
-    mismatch_stats,
-    nonzero_groups,
-    truncated_is_weights,
-)
+from minigrpo.rl.distributed import Dist
+from minigrpo.rl.grpo import completion_mask, dr_grpo_loss, group_advantages, nonzero_groups, truncated_is_weights
+from minigrpo.rl.step_metrics import mismatch_metrics
 
 # ---------------------------------------------------------------------------------------------- advantages
 
@@ -223,16 +218,16 @@ def test_truncated_importance_sampling_hand_computed():
     assert with_kl.item() == pytest.approx((2.1 + 0.1 * 5 * (math.exp(-0.5) - 0.5)) / 8, abs=1e-6)
 
 
-def test_mismatch_stats_hand_computed():
+def test_mismatch_metrics_hand_computed():
     # Over the 5 masked tokens (the 10.0 is masked out): log r = ln [0.5, 4], [1, 1.5, 2.5]
     #   sum |log r| = ln 2 + ln 4 + 0 + ln 1.5 + ln 2.5 = 3.401197
     #   sum k3 = sum (r - 1 - ln r) = 0.193147 + 1.613706 + 0 + 0.094535 + 0.583709 = 2.485097
     #   sum of capped weights = 0.5 + 2 + 1 + 1.5 + 2 = 7; capped: 4.0 and 2.5; max |log r| = ln 4; max r = 4
     _, old, _, mask = _case()
-    st = mismatch_stats(old, old - torch.tensor(IS_RATIOS).log(), mask, cap=2.0)
-    expected = {"logp_diff_sum": 3.401197, "mismatch_kl_sum": 2.485097, "tis_weight_sum": 7.0, "tis_capped": 2.0,
-                "logp_diff_max": math.log(4), "tis_ratio_max": 4.0}
-    assert {k: pytest.approx(v.item(), abs=1e-5) for k, v in st.items()} == expected
+    m = mismatch_metrics(old, old - torch.tensor(IS_RATIOS).log(), torch.ones_like(old), mask, 2.0, Dist())
+    expected = {"entropy": 1.0, "logp_diff_mean": 3.401197 / 5, "mismatch_kl": 2.485097 / 5, "tis_weight_mean": 7 / 5,
+                "tis_capped_frac": 2 / 5, "logp_diff_max": math.log(4), "tis_ratio_max": 4.0}
+    assert m == {k: pytest.approx(v, abs=1e-5) for k, v in expected.items()}
 
 
 def test_loss_contract_errors():

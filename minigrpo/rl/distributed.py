@@ -1,21 +1,17 @@
 """Data-parallel plumbing for `torchrun --nproc-per-node N train.py ...`: process group, sharding, reductions.
 
-The design keeps a data-parallel run a pure re-partitioning of the single-process step:
-  - every rank keeps the full `EpochSampler` and derives the full list of B*G rollout seeds, then takes its
-    contiguous block of B/W prompts (and their G*B/W seeds). Groups never span ranks, so advantages stay
-    local, and the union of the ranks' rollouts is exactly the single-process rollout (sampling is
-    counter-based per sequence seed).
-  - the update goes through PyTorch DDP (`--parallel ddp`: weights, gradients and AdamW state replicated) or
-    FSDP2 (`--parallel fsdp`: each rank holds 1/W of them), which both *average* gradients over ranks. Each
-    rank scales its loss by W, so the average is the sum of the ranks' parts of the Dr. GRPO loss normalised
-    by the full minibatch (M rows x max_new_tokens): the same gradient as the single-process step.
-  - FSDP gathers each layer's weights in every forward and backward, a collective: every rank runs the same
-    number of forwards, padding with zero-weight stand-in rows (Trainer._micro_batches, Trainer._score).
-  - checkpoints hold the full state, gathered to global rank 0, which alone writes them (into a run folder
-    that every node sees), so a checkpoint resumes under either mode and any world size that divides B.
+A data-parallel run is a re-partitioning of the single-process step:
+  - every rank keeps the full prompt order and the full list of B*G rollout seeds, and takes its contiguous
+    block of B/W prompts. Groups never span ranks, so advantages stay local, and the ranks' rollouts together
+    are exactly the single-process rollout.
+  - the update goes through DDP (`--parallel ddp`: all state replicated) or FSDP2 (`--parallel fsdp`: each
+    rank holds 1/W of it), which both average gradients over ranks; each rank scales its loss by W, so the
+    gradient is the single-process step's. Every rank runs the same forwards and backwards (FSDP gathers
+    weights in each), padding with zero-weight stand-in rows (Trainer._micro_batches, Trainer._score).
+  - checkpoints hold the full state, written by rank 0 alone, so they resume under either mode and any world
+    size that divides B.
 
-`Dist()` (world 1) is the single-process case: every helper is the identity and nothing touches
-torch.distributed, so a run without torchrun's environment behaves exactly as before.
+`Dist()` (world 1) is the single-process case: every helper is the identity and torch.distributed is untouched.
 """
 
 from __future__ import annotations
@@ -87,11 +83,8 @@ class Dist:
 
 
 def init_from_env(device: str) -> tuple[Dist, str]:
-    """Join torchrun's process group (gloo on CPU, nccl on CUDA) if its environment is set.
-
-    Returns (dist, device): on CUDA each rank takes the GPU of its LOCAL_RANK. Without torchrun (or with
-    WORLD_SIZE=1) it returns Dist() and the device unchanged, and creates no process group.
-    """
+    """Join torchrun's process group (gloo on CPU, nccl on CUDA), if its environment is set. Returns (dist, device):
+    on CUDA each rank takes the GPU of its LOCAL_RANK. Without torchrun: Dist() and the device unchanged."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Dist(), device
@@ -110,10 +103,9 @@ def init_from_env(device: str) -> tuple[Dist, str]:
 
 
 def shutdown(dist: Dist, together: bool = False) -> None:
-    """Leave the process group. together=True (every rank finished cleanly) first waits for all ranks:
-    once, in a loaded CPU test run, a gloo rank that tore down while its peer was still finishing aborted
-    at exit ("terminate called without an active exception"; not reproduced since). After an error a
-    barrier could wait forever on a rank that is gone, so it is skipped."""
+    """Leave the process group. together=True (every rank finished cleanly) first waits for all ranks, so that
+    none tears down while a peer is finishing (a gloo rank once aborted at exit); after an error a barrier
+    could wait forever on a rank that is gone."""
     if dist.world > 1 and tdist.is_initialized():
         if together:
             tdist.barrier()
@@ -121,8 +113,8 @@ def shutdown(dist: Dist, together: bool = False) -> None:
 
 
 class _Forward(torch.nn.Module):
-    """Makes `fn(model, batch)` the forward of a module, so DDP sees (and syncs the grads of) the
-    trainer's log-prob computation, which calls model.hidden_states and the LM head, not model.forward."""
+    """`fn(model, batch)` as a module's forward, so that DDP / FSDP wrap the trainer's log-prob computation
+    (model.hidden_states and the LM head, not model.forward)."""
 
     def __init__(self, model: torch.nn.Module, fn):
         super().__init__()
@@ -138,9 +130,8 @@ warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDP_Forward\) return
 
 
 def _fully_shard(module: _Forward, **root) -> _Forward:
-    """FSDP2 units: each decoder layer, and the root (embedding, final norm and LM head, tied or not). The
-    weights keep their dtype in the forward (fp32 master weights run under autocast, as with DDP); gradients
-    are reduced in fp32 whatever the weights' dtype (reduce_dtype), then cast to it (GradSync)."""
+    """FSDP2 units: each decoder layer, and the root (embedding, final norm, LM head). Weights keep their dtype
+    in the forward (autocast does the rest, as with DDP); gradients are reduced in fp32."""
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     for layer in module.model.model.layers:
         fully_shard(layer, mp_policy=policy)
@@ -148,8 +139,8 @@ def _fully_shard(module: _Forward, **root) -> _Forward:
 
 
 def frozen_forward(model: torch.nn.Module, fn, dist: Dist, parallel: str) -> torch.nn.Module:
-    """`fn(model, batch)` as a module, for a model that is only scored (the KL reference): sharded like the
-    policy under FSDP, resharding after each forward (there is no backward to do it), else as it is."""
+    """`fn(model, batch)` as a module for a model that is only scored (the KL reference): under FSDP sharded like
+    the policy, resharding after each forward (no backward does it)."""
     module = _Forward(model, fn)
     return _fully_shard(module, reshard_after_forward=True) if parallel == "fsdp" and dist.world > 1 else module
 
@@ -158,22 +149,15 @@ class GradSync:
     """The policy's training forward, with gradient accumulation that reduces once per optimizer step.
 
     For each micro-batch, run `policy(batch)` and the backward of its loss (times `loss_scale`) inside
-    `policy.accumulate(first, last)`: only the last micro-batch's backward all-reduces (DDP's no_sync for
-    the others). FSDP reduce-scatters every micro-batch's fp32 gradient into the shards' fp32 gradients, the
-    least memory, except for bf16 weights, whose shards would sum in bf16: there it keeps the micro-batches'
-    fp32 sum whole (4 bytes per parameter, unsharded) until the last one (set_requires_gradient_sync).
-    Every rank makes the same backwards (distributed.py's doc). With W = 1 this is the plain forward and
-    plain backward, whatever `parallel`.
+    `policy.accumulate(first, last)`: only the last backward all-reduces (DDP's no_sync for the others). FSDP
+    reduce-scatters each micro-batch's fp32 gradient into the shards, except for bf16 weights, whose shards
+    would sum in bf16: there it keeps the fp32 sum whole until the last one. With W = 1: plain backwards.
 
-    bf16 parameters (`--weights bf16`) sum three or more micro-batch gradients in fp32: summed in bf16, each
-    addition would round to 8 significant bits of the running sum, and a micro-batch small against the
-    sum so far would be lost. FSDP sums in fp32 itself (above). Otherwise, from the second
-    micro-batch of three or more on, the gradients live in an fp32 sum (4 bytes per parameter in place of
-    the 2 of a bf16 gradient): the first one's moves there, and a hook moves each later one there as it
-    lands. The last micro-batch's backward adds to that sum rounded to bf16, and DDP all-reduces the result.
-    So the gradient is the exact sum up to two bf16 roundings, whatever the number of micro-batches. Two
-    micro-batches need no fp32 sum: bf16 addition rounds the exact sum of two bf16 numbers once, so the
-    second backward simply adds to the first's gradient.
+    bf16 weights sum three or more micro-batch gradients in fp32: in bf16 each addition would round to 8
+    significant bits of the running sum, losing a micro-batch small against it. From the second micro-batch
+    on, the first one's gradient moves into an fp32 sum and a hook moves each later one there as it lands; the
+    last backward adds to that sum rounded to bf16. So the gradient is the exact sum up to two bf16 roundings.
+    Two micro-batches need no fp32 sum: one bf16 addition rounds their exact sum once.
     """
 
     def __init__(self, model: torch.nn.Module, fn, dist: Dist, parallel: str = "ddp"):
@@ -222,5 +206,5 @@ class GradSync:
 
     @property
     def loss_scale(self) -> float:
-        """DDP and FSDP average gradients over ranks; the Dr. GRPO loss is a sum over the minibatch's rows."""
+        """W: DDP and FSDP average gradients over ranks; the Dr. GRPO loss is a sum over the minibatch's rows."""
         return float(self.dist.world)

@@ -8,9 +8,7 @@ GRPO (Shao et al. 2024) normalises in two places that bias the optimisation:
     less per token than a wrong short one -- this is what makes GRPO responses grow without bound.
 Dr. GRPO removes both: A = r - mean_group(r), and the loss is a token *sum* divided by a constant
 (number of sequences x max_new_tokens), so every token gets the same weight no matter the length.
-
-Everything here is batched torch with no host syncs (no .item(), no data-dependent Python control flow),
-so it runs the same on CPU and GPU and does not stall a CUDA stream.
+Everything here is batched torch with no host syncs, so it does not stall a CUDA stream.
 
 Shape legend:
   B  prompts in the batch        G  samples per prompt (group size)
@@ -45,24 +43,16 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def nonzero_groups(adv: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(N,) bool: False for every sample of a group whose advantages are all exactly zero.
-
-    Such a group (all samples right or all wrong) contributes nothing to the policy gradient, so the
-    trainer can skip its forward/backward. With 0/1 rewards the group mean is exact, so "all zero" is
-    an exact test; with arbitrary float rewards, equal rewards might leave ~1e-8 residue and be kept.
-    """
+    """(N,) bool: False for every sample of a group whose advantages are all exactly zero (all right or all
+    wrong): it adds nothing to the policy gradient, so the trainer skips its forward and backward."""
     _check_groups(adv, group_size, "adv")
     keep = adv.view(-1, group_size).ne(0).any(dim=1, keepdim=True)  # (B, 1)
     return keep.expand(-1, group_size).reshape(-1)  # (N,)
 
 
 def completion_mask(completion_ids: torch.Tensor, stop_ids: int | Sequence[int]) -> torch.Tensor:
-    """(N, C) float mask: 1 up to and including the first stop token of each row, 0 after it.
-
-    A row with no stop token (truncated at max_new_tokens) is all ones. Built from a cumulative count
-    of stop tokens rather than argmax, which returns 0 for a row with no stop and would mask it wrongly.
-    The stop token itself is kept so the policy is trained to emit it.
-    """
+    """(N, C) float mask: 1 up to and including the first stop token of each row (so that the policy learns
+    to emit it), 0 after it; all ones for a row without one (truncated)."""
     if completion_ids.ndim != 2 or completion_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"completion_ids must be an integer (N, C) tensor, got {completion_ids.dtype} {tuple(completion_ids.shape)}"
@@ -84,25 +74,11 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
     """Truncated importance sampling (TIS) weights min(pi_old / pi_rollout, cap). (N, C) -> (N, C), no grad.
 
-    The rollout engine samples in bf16 with its own kernels, so the tokens come from pi_rollout, not from
-    the trainer's pi_old that the PPO ratio divides by. Weighting each token's policy-gradient term by
-    pi_old / pi_rollout makes the estimate on-policy for pi_old again (Yao et al. 2025, "Your Efficient RL
-    Framework Secretly Brings You Off-Policy RL Training"); the cap bounds the variance that a token the
-    engine found unlikely would add, at the price of a small bias."""
+    The engine samples in bf16 with its own kernels: the tokens come from pi_rollout, not from pi_old.
+    Weighting each token's policy-gradient term by pi_old / pi_rollout makes the estimate on-policy again
+    (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"); the cap bounds
+    the variance of tokens the engine found unlikely, at the price of a small bias."""
     return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()
-
-
-def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
-                   cap: float) -> dict[str, torch.Tensor]:
-    """Token sums (0-d tensors) that measure the rollout/trainer mismatch on the sampled tokens:
-    |log-prob difference|, its k3 KL(pi_rollout || pi_old) (r - 1 - log r with r = pi_old / pi_rollout,
-    unbiased and >= 0 under the rollout's samples), the TIS weight and the tokens it caps; plus the maxima
-    of the difference and of the uncapped ratio. Sums, so that callers can add them over ranks."""
-    log_r = (old_logp - rollout_logp).detach() * mask                                # (N, C)
-    ratio = torch.exp(log_r)                                                         # (N, C); 1 off the mask
-    return {"logp_diff_sum": log_r.abs().sum(), "mismatch_kl_sum": ((ratio - 1 - log_r) * mask).sum(),
-            "tis_weight_sum": (ratio.clamp(max=cap) * mask).sum(), "tis_capped": ((ratio > cap) * mask).sum(),
-            "logp_diff_max": log_r.abs().max(), "tis_ratio_max": (ratio * mask).max()}
 
 
 def dr_grpo_loss(
@@ -121,25 +97,19 @@ def dr_grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss with the Dr. GRPO constant normaliser.
 
-    logp, old_logp, ref_logp: (N, C) fp32 log-probs of the sampled completion tokens under the current
-      policy (with grad), the policy that sampled them, and the frozen reference (for the KL penalty).
-    adv: (N,) advantages from group_advantages. mask: (N, C) from completion_mask.
-    eps_low / eps_high: clip range [1 - eps_low, 1 + eps_high]; eps_high defaults to eps_low
-      (set it higher for DAPO-style "clip-higher").
-    beta: weight of the k3 KL estimator exp(ref - logp) - (ref - logp) - 1 (Schulman's unbiased,
-      always-positive estimator), added per token; 0 disables it (the Dr. GRPO default).
-    max_new_tokens: the generation budget L; the loss is sum(token losses * mask) / (num_sequences * L).
-    num_sequences: defaults to N. When this call sees only part of the batch (gradient-accumulation
-      micro-batch, or zero-advantage groups dropped via nonzero_groups), pass the full batch's N so
-      the pieces sum to exactly the full-batch loss and gradient.
-    is_weight: (N, C) per-token weight of the policy-gradient term, not of the KL term: the truncated
-      importance-sampling correction for the rollout engine's own distribution (truncated_is_weights).
+    logp, old_logp, ref_logp: (N, C) fp32 log-probs of the sampled tokens under the current policy (with
+      grad), the policy that sampled them, and the frozen reference. adv: (N,). mask: (N, C).
+    eps_low / eps_high: clip range [1 - eps_low, 1 + eps_high]; eps_high defaults to eps_low (DAPO's
+      "clip-higher" sets it higher).
+    beta: weight of the per-token k3 KL exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0); 0: none.
+    max_new_tokens L: the loss is sum(token losses * mask) / (num_sequences * L). num_sequences: default N;
+      a call that sees part of the batch (a micro-batch, or rows dropped by nonzero_groups) passes the full
+      batch's, so that the parts sum to the full-batch loss and gradient.
+    is_weight: (N, C) weight of each token's policy-gradient term, not of the KL (truncated_is_weights).
 
-    Returns (loss, stats) with 0-d detached tensors in stats (no host sync):
-      clip_frac  -- fraction of masked tokens where clipping was active (ratio outside the range on the
-                    side that the sign of A makes binding, so the token gets zero gradient);
-      kl         -- mean k3 KL over masked tokens (reported whenever ref_logp is given; else 0);
-      ratio_mean -- mean importance ratio over masked tokens.
+    Returns (loss, stats), stats 0-d detached tensors: clip_frac (masked tokens where the clip is active on
+    the side the sign of A makes binding: zero gradient), kl (mean k3 KL when ref_logp is given, else 0),
+    ratio_mean.
     """
     N, C = logp.shape
     for name, t in (("logp", logp), ("old_logp", old_logp), ("ref_logp", ref_logp), ("is_weight", is_weight)):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from minigrpo.rl.distributed import Dist
-from minigrpo.rl.grpo import mismatch_stats
 from minigrpo.run.metrics import PhaseTimer
 
 
@@ -67,13 +66,16 @@ class UpdateSums:
 def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,
                      cap: float, dist: Dist) -> dict:
     """The policy before the update (pi_old) against the sampler (pi_rollout) on the trained tokens, (n, C)
-    each, over all ranks: mean and max |log-prob difference|, k3 KL(pi_rollout || pi_old), the TIS weight's
-    mean (as applied, capped), the uncapped ratio's max and the fraction of tokens capped; and the entropy."""
-    st = mismatch_stats(old_logp, rollout_logp, mask, cap)
-    sums = dist.sum(torch.stack([mask.sum(), (entropy * mask).sum(), st["logp_diff_sum"], st["mismatch_kl_sum"],
-                                 st["tis_weight_sum"], st["tis_capped"]]))
+    each, over all ranks: mean and max |log-prob difference|, k3 KL(pi_rollout || pi_old) (r - 1 - log r with
+    r = pi_old / pi_rollout: unbiased and >= 0 under the rollout's samples), the TIS weight's mean (as applied,
+    capped), the uncapped ratio's max and the fraction of tokens capped; and the entropy."""
+    log_r = (old_logp - rollout_logp).detach() * mask                                # (n, C)
+    ratio = torch.exp(log_r)                                                         # (n, C); 1 off the mask
+    sums = dist.sum(torch.stack([mask.sum(), (entropy * mask).sum(), log_r.abs().sum(),
+                                 ((ratio - 1 - log_r) * mask).sum(), (ratio.clamp(max=cap) * mask).sum(),
+                                 ((ratio > cap) * mask).sum()]))
     ent, diff, kl, weight, capped = (sums[1:] / sums[0].clamp(min=1)).tolist()   # per trained token
-    maxima = dist.max(torch.stack([st["logp_diff_max"], st["tis_ratio_max"]])).tolist()
+    maxima = dist.max(torch.stack([log_r.abs().max(), (ratio * mask).max()])).tolist()
     return {"entropy": ent, "logp_diff_mean": diff, "logp_diff_max": maxima[0], "mismatch_kl": kl,
             "tis_weight_mean": weight, "tis_ratio_max": maxima[1], "tis_capped_frac": capped}
 

@@ -1,36 +1,21 @@
-"""The Dr. GRPO training step: rollout -> reward -> advantages -> clipped policy-gradient updates.
-(The run around it, with evaluation, logging, checkpoints and stopping, is loop.py.)
-
-One step (`Trainer.step`, which reads as this list; each stage is one call, the plumbing below it):
+"""The Dr. GRPO training step (`Trainer.step` reads as this list; the run around it is loop.py):
   1. rollout   B prompts x G samples from the rollout backend, at the sampling temperature
-  2. reward    task.score per completion; A = r - mean of its group (no std division: Dr. GRPO, grpo.py)
-  3. filter    with beta = 0, a group whose advantages are all zero has no gradient: its rows are dropped
-               before any forward; if no group is left the update is skipped (and logged as such). With
-               beta > 0 every row trains: the KL term of a flat group has a gradient too
-  4. logprobs  reference log-probs from a frozen copy of the initial policy, only when kl_beta > 0; old
-               log-probs (the policy before this step's updates): with one minibatch per epoch (the default)
-               they come free from the first epoch's own forward, during which the policy has not moved
-               yet; otherwise from a separate pass without grad. Both passes keep no activations, so they
-               run in larger micro-batches (score_batch_size)
-  5. update    K epochs over shuffled minibatches of the B*G rows; each minibatch is one AdamW step on the
-               clipped surrogate (+ beta * k3 KL), normalised as token-sum / (minibatch rows x max_new_tokens)
-               and accumulated over micro-batches (memory only). Dropped rows still count in the normaliser,
-               so dropping them is a pure saving: the gradient is exactly the full minibatch's. Each token's
-               surrogate is weighted by min(pi_old / pi_rollout, tis_cap) (truncated importance sampling,
-               grpo.py): the engine samples from its own bf16 distribution, not exactly from pi_old
-  6. sync      the backend's weights are refreshed from the policy (`load_weights`), timed; nothing to do when
-               the engine shares the policy's memory (`--weights bf16` on CUDA: engine/decode.py)
-The LR (linear warmup, then constant or cosine) is a function of the step number: no scheduler state.
-Data parallel (torchrun, `dist`): each rank rolls out its block of the B prompts and the update runs
-through DDP or FSDP (`parallel`); the math is the single-process step's (distributed.py). Step metrics are
-over all ranks.
-All randomness is derived from (seed, step, ...) on the spot, never from a global generator, so a
-resumed run reproduces an uninterrupted one.
+  2. reward    task.score per completion; A = r - mean of its group (no std division: grpo.py)
+  3. filter    with beta = 0 a group whose advantages are all zero has no gradient: its rows get no forward
+               (the update is skipped when none is left); with beta > 0 the KL term trains every row
+  4. logprobs  the frozen initial policy's (beta > 0) and the old policy's, no grad, in score_batch_size
+               micro-batches; with one minibatch per epoch the old ones come free from the first epoch's forward
+  5. update    K epochs over shuffled minibatches of the B*G rows, one AdamW step each, on the clipped surrogate
+               (+ beta * k3 KL) normalised by (minibatch rows x max_new_tokens): dropped rows still count, so
+               the gradient is the full minibatch's. Each token is weighted by min(pi_old / pi_rollout, tis_cap)
+               (grpo.py): the engine samples from its own bf16 distribution, not exactly from pi_old
+  6. sync      the backend's weights are refreshed from the policy (nothing to do when they share memory)
+The LR is a function of the step number; every random number derives from (seed, step, ...) (data.py).
+Under torchrun each rank rolls out its block of the prompts and the update runs through DDP or FSDP; the math
+is the single-process step's (distributed.py).
 
-Precision (`weights`): "fp32" keeps fp32 master weights and AdamW state; on CUDA the policy forward runs
-under bf16 autocast (tensor cores) and the LM head in bf16 with fp32 softmax (sequences.completion_logprobs);
-on CPU, fp32. "bf16" keeps the weights, gradients and AdamW moments in bf16 and updates them with
-stochastic rounding (optim.py): half the memory, for the same expected trajectory.
+Precision (`weights`): "fp32" keeps fp32 master weights and AdamW state, the forward under bf16 autocast on
+CUDA; "bf16" keeps weights, gradients and moments in bf16 with stochastic rounding (optim.py).
 
 Shape legend: B prompts per step, G samples per prompt, N = B*G rows, R = N/W rows of each of W ranks,
 n kept rows (of this rank), C completion length.
@@ -79,9 +64,8 @@ class _Rows:
 
 
 def _fail_past_recompile_limit() -> None:
-    """Make Dynamo raise, not fall back to eager without a word, if a decoder layer ever needed more graphs than
-    its grad modes and the few shape guards Inductor may add (with dynamic shapes a handful; the limit is 8 by
-    default). Process-wide settings: they also cover the engine's compiled step."""
+    """Make Dynamo raise, not silently fall back to eager, if a decoder layer needs more graphs than its grad
+    modes and a few shape guards. Process-wide: it also covers the engine's compiled step."""
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, RECOMPILE_LIMIT)
@@ -107,13 +91,9 @@ class Trainer:
         # The KL anchor is the policy as it is now, before any update (also when resuming: see resume()).
         self.ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.kl_beta > 0 else None
         if cfg.compile_policy:
-            # Eager, a decoder layer is ~50 small kernels forward (norms, RoPE, SwiGLU, casts) and twice that
-            # backward; the 0.5B model's micro-batches leave the GPU waiting on their launches. Compiled, the
-            # elementwise ops fuse. Parameters are graph inputs, so one compile serves every layer of both
-            # models; nn.Module.compile keeps the state-dict names. The batch and length dimensions are
-            # dynamic (marked in Qwen2ForCausalLM.hidden_states): one graph per grad mode serves every
-            # micro-batch, so compiling is over after the first step whatever the lengths; a graph per length
-            # bucket cost 8-12 s each time a step met a new one. `compiled_graphs` in the metrics shows any.
+            # Fuses each layer's ~50 small elementwise kernels. Parameters are graph inputs, so one compile
+            # serves every layer of both models; batch and length are dynamic (Qwen2ForCausalLM.hidden_states):
+            # one graph per grad mode. nn.Module.compile keeps the state-dict names.
             for m in (model, self.ref) if self.ref is not None else (model,):
                 for layer in m.model.layers:
                     layer.compile()
@@ -182,10 +162,9 @@ class Trainer:
         return lr
 
     def _rollout(self):
-        """Stage 1: this rank's b = B/W prompts of the global order and their b*G completions, each sampled
-        from its own seed and cut after its first stop (the task's stop strings are found on the host).
-        Returns (example indices, prompt token lists, Rollout, whether each completion stopped)."""
-        cfg, dist = self.cfg, self.dist  # W ranks; W = 1 without torchrun, where every dist call is the identity
+        """Stage 1: this rank's B/W prompts and their completions, each from its own seed, cut after the first
+        stop. Returns (example indices, prompt token lists, Rollout, whether each completion stopped)."""
+        cfg, dist = self.cfg, self.dist
         examples = dist.shard(self.sampler.next(cfg.prompts_per_step))
         seeds = dist.shard(derive_seeds(cfg.seed, _ROLLOUT, self.step_idx, cfg.rows_per_step))
         prompts = [self.task.prompt(i) for i in examples]
@@ -203,9 +182,8 @@ class Trainer:
         return torch.tensor([s[0] for s in scores], dtype=torch.float32), [s[1] for s in scores]
 
     def _training_rows(self, prompts, rollout, adv: torch.Tensor, train: torch.Tensor, trained: torch.Tensor) -> _Rows:
-        """This rank's rows to train (train (R,)), as one right-padded batch with their advantages and sampling
-        log-probs; trained (N,): every rank's. A rank with none still joins every gradient reduction: it gets
-        a stand-in row (trained at weight 0)."""
+        """This rank's rows to train (train (R,); trained (N,): every rank's) as one batch. A rank with none
+        still joins every gradient reduction: it gets a stand-in row, trained at weight 0."""
         G = self.cfg.samples_per_prompt
         kept = train.nonzero().squeeze(1).tolist()
         index = kept or [0]
@@ -218,19 +196,17 @@ class Trainer:
                      {offset + r: j for j, r in enumerate(kept)}, most)
 
     def _reference_and_old_logprobs(self, rows: _Rows):
-        """Stage 4: the KL reference's log-probs (beta > 0), and the old policy's with its entropy, (n, C) each.
-        With one minibatch per epoch the old ones come free from the first epoch's forward: None, None."""
+        """Stage 4: the KL reference's log-probs (beta > 0), and the old policy's with its entropy, (n, C) each;
+        None, None for the old ones that the first epoch's forward will give (one minibatch per epoch)."""
         ref_logp = self._score(self.ref_forward, rows.batch, rows.most)[0] if self.ref is not None else None
         if self.cfg.rows_per_minibatch == self.cfg.rows_per_step:
             return ref_logp, None, None
         return (ref_logp, *self._score(self.policy, rows.batch, rows.most, return_entropy=True))
 
     def _update(self, rows: _Rows, old_logp, entropy, ref_logp, trained: torch.Tensor):
-        """Stage 5: K epochs of minibatch AdamW steps. old/ref_logp, entropy (n, C); trained (N,): the step's
-        rows that train, on any rank. Returns (metrics, old_logp, entropy).
-
-        old_logp None (one minibatch per epoch): the first epoch's forward, before any optimizer step, is the
-        old policy's; its log-probs (and entropy) fill old_logp, and its ratios are exactly 1."""
+        """Stage 5: K epochs of minibatch AdamW steps. old/ref_logp, entropy (n, C); trained (N,): the rows that
+        train, on any rank. Returns (metrics, old_logp, entropy). With old_logp None the first epoch's forward,
+        before any optimizer step, is the old policy's: it fills old_logp (and entropy), its ratios exactly 1."""
         fill = old_logp is None
         if fill:
             old_logp, entropy = torch.zeros_like(rows.rollout_logp), torch.zeros_like(rows.rollout_logp)
@@ -254,8 +230,8 @@ class Trainer:
         return sums.metrics(self.dist, with_kl=ref_logp is not None), old_logp, entropy
 
     def _loss(self, logp, mask, idx, rows: _Rows, old_logp, ref_logp):
-        """dr_grpo_loss of one micro-batch, whose rows are `idx` of the per-row tensors: normalised by the whole
-        minibatch, each token weighted by its truncated importance weight against the rollout (unless --no-tis)."""
+        """dr_grpo_loss of the micro-batch of rows `idx`, normalised by the whole minibatch, each token weighted by
+        its truncated importance weight (unless --no-tis)."""
         cfg, C = self.cfg, logp.shape[1]
         old = old_logp[idx, :C]
         weight = truncated_is_weights(old, rows.rollout_logp[idx, :C], cfg.tis_cap) if cfg.tis else None
@@ -267,10 +243,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- plumbing
 
     def _minibatches(self, rows: _Rows, trained: torch.Tensor):
-        """(k, epoch, this rank's rows of the minibatch, micro-batches per rank) for each of the K epochs x N/M
-        minibatches that hold a row to train on any rank. A shared permutation of all ranks' rows draws them,
-        so every rank takes the same optimizer steps; k numbers the minibatch among all of them, skipped ones
-        included. Every rank runs as many micro-batches as the rank with the most rows of the minibatch needs."""
+        """(k, epoch, this rank's rows, micro-batches per rank) of each of the K x N/M minibatches that trains a
+        row on any rank. One permutation of all ranks' rows draws them, so every rank takes the same steps; k
+        counts skipped minibatches too. Every rank runs as many micro-batches as the fullest rank needs."""
         cfg, W = self.cfg, self.dist.world
         N, M, R = cfg.rows_per_step, cfg.rows_per_minibatch, cfg.rows_per_step // W
         trained = trained.tolist()
@@ -284,11 +259,9 @@ class Trainer:
                     yield epoch * (N // M) + start // M, epoch, mine, -(-most // cfg.micro_batch_size)
 
     def _micro_batches(self, minibatch: list[int], count: int, batch: SequenceBatch):
-        """(rows, last, loss weight) of each of `count` micro-batches: the minibatch's rows longest first, so that
-        rows of about one length share a micro-batch and pad little. The loss of every micro-batch is normalised
-        by the whole minibatch, so the grouping leaves the gradient the minibatch's. The weight is the loss
-        scale of DDP / FSDP (1.0, exact, with one rank). Past its own rows a rank backwards a stand-in row at
-        weight 0: every rank must make the same backwards (and forwards, with FSDP)."""
+        """(rows, last, loss weight) of each of `count` micro-batches, longest rows first so that little is padded
+        (each loss is normalised by the whole minibatch: the grouping leaves the gradient as it is). Past its
+        own rows a rank backwards a stand-in row at weight 0: every rank makes the same backwards."""
         size = self.cfg.micro_batch_size
         minibatch = sorted(minibatch, key=lambda r: -(batch.prompt_lens[r] + batch.completion_lens[r]))
         for u in range(count):
@@ -296,15 +269,14 @@ class Trainer:
             yield sub or [0], u == count - 1, self.policy.loss_scale if sub else 0.0
 
     def _select(self, batch: SequenceBatch, rows: list[int]) -> tuple[SequenceBatch, torch.Tensor]:
-        """`rows` of `batch`, and their index into the per-row tensors (m,). For a compiled policy a single row
-        gets a padding row (mask 0, indexing the first row): Dynamo specialises a dimension of size 1, which
-        would compile a graph of its own."""
+        """`rows` of `batch`, and their index into the per-row tensors (m,). A compiled policy pads one row to two
+        (mask 0): Dynamo specialises a dimension of size 1, which would compile a graph of its own."""
         mb = batch.select(rows, n_rows=2 if self.cfg.compile_policy else 0)
         return mb, torch.tensor(rows + rows[:1] * (len(mb.prompt_lens) - len(rows)), device=self.device)
 
     def _optimizer_step(self, k: int) -> torch.Tensor | None:
-        """Clip the gradient and take this update's k-th optimizer step; None, without a step, for a NaN or inf
-        gradient (one bad batch must not poison the weights). Returns the pre-clip gradient norm."""
+        """Clip the gradient and take the update's k-th optimizer step. Returns the pre-clip gradient norm, or None
+        without a step for a NaN or inf one (one bad batch must not poison the weights)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm or float("inf"))
         finite = bool(torch.isfinite(norm))
@@ -331,8 +303,8 @@ class Trainer:
 
     @torch.no_grad()
     def _score(self, forward, batch: SequenceBatch, most: int = 0, return_entropy: bool = False):
-        """Log-probs (and entropy) of every row of `batch` under `forward(batch, return_entropy)`, micro-batched,
-        no grad. (n, C) each. As many forwards as `most` rows need (the most any rank has), past n on stand-ins."""
+        """Log-probs (and entropy) (n, C) of every row of `batch` under `forward`, no grad, in as many micro-batches
+        as `most` rows need (the most of any rank): past n, on stand-ins."""
         n, C, size = len(batch.prompt_lens), batch.C, self.cfg.score_batch_size
         logp = torch.zeros((n, C), dtype=torch.float32, device=self.device)
         entropy = torch.zeros((n, C), dtype=torch.float32, device=self.device) if return_entropy else None
@@ -355,9 +327,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- checkpoints
 
     def save(self) -> Path:
-        """Rank 0 writes the checkpoint: the full weights and AdamW state (by parameter name), gathered from
-        the shards under FSDP; the others wait until it is complete. Weights with NaN or inf are never saved
-        (NonFiniteError)."""
+        """Rank 0 writes the full weights and AdamW state (gathered under FSDP) while the others wait. Weights with
+        NaN or inf are never saved (NonFiniteError)."""
         bad = nonfinite(self.model)
         if bad:
             raise NonFiniteError(self.step_idx, bad)
@@ -372,8 +343,8 @@ class Trainer:
         return self.out_dir / "checkpoints" / f"step_{self.step_idx:06d}"
 
     def resume(self, path: str | Path) -> None:
-        """Continue from a checkpoint (its directory, or a run directory: the newest one there). A checkpoint
-        of this run's own folder rewinds the run to it: `latest` names it again (run/checkpoints.py)."""
+        """Continue from a checkpoint (its directory, or a run directory's newest). One of this run's own folder
+        rewinds the run to it: `latest` names it again."""
         ckpt = resolve_checkpoint(path)
         state = load_checkpoint(ckpt, self.model, self.device)
         saved = state["config"]

@@ -1,30 +1,19 @@
 """Memory-safe per-token log-probs (and entropy) through the LM head.
 
-RL needs log p(token) for every sampled token, i.e. log_softmax(hidden @ W^T) gathered at the targets.
-Done naively this materialises (N, T, V) fp32 logits: with Qwen's V = 151936, 64 sequences x 400 tokens
-is 15.5 GB -- plus the same again for softmax and for the gradient. Only one number per token is needed,
-so we stream over chunks of tokens and never hold more than (chunk_size, V) logits at a time.
+RL needs log p(token) for every sampled token: log_softmax(hidden @ W^T) gathered at the targets. Naively
+that materialises (N, T, V) fp32 logits: with Qwen's V = 151936, 64 sequences x 400 tokens is 15.5 GB, plus
+as much again for the softmax and the gradient. Only one number per token is needed, so we stream over
+chunks of tokens and never hold more than (chunk_size, V) logits at a time.
 
-Design: a small custom autograd.Function (`_ChunkedLogProb`) whose backward *recomputes* each chunk's
-logits, rather than torch.utils.checkpoint per chunk. Checkpointing frees activations between forward
-and backward too, but its backward replays each chunk's forward and then runs autograd through that
-chunk's graph, holding the logits, the softmax and their grads alive together; the hand-written backward
-needs just logits -> softmax -> d_logits in place, which is one (chunk, V) fp32 buffer plus the matmul
-output. The gradient is the closed form of d log_softmax(z)_y / dz = onehot(y) - softmax(z).
+The custom autograd.Function's backward *recomputes* each chunk's logits from the closed form
+d log_softmax(z)_y / dz = onehot(y) - softmax(z), needing one (chunk, V) fp32 buffer; torch.utils.checkpoint
+would replay the chunk's forward graph and hold the logits, the softmax and their grads together. It walks
+(token chunk x vocabulary slice) blocks, slices outermost, so each weight-gradient slice is summed in fp32
+while small and written once: no (V, D) fp32 accumulator beside the result.
 
-The backward walks blocks of (token chunk x vocabulary slice) of the same size as the forward's chunks,
-slices outermost, so each slice of the weight gradient is summed in fp32 while it is small and written
-once in the weight's dtype. A token-chunk-only backward needs a (V, D) fp32 accumulator for the whole
-weight gradient (0.55 GB for Qwen2.5-0.5B) beside the result.
-
-Each chunk's softmax arithmetic (upcast, logsumexp, gather, entropy; in backward softmax minus one-hot) is
-a small function that torch.compile turns into one kernel on CUDA: it reads the matmul's bf16 output once
-or twice and keeps the fp32 values in registers. Run eagerly, those same ops move each (chunk, V) block
-through memory five or six times in fp32, several times the matmul's own time. The matmuls stay cuBLAS.
-
-Precision: the matmul runs in the input dtype (bf16 on GPU: tensor cores), its output is upcast to fp32
-before the softmax, and gradients are summed over blocks in fp32. Pass fp32 hidden/weight to get fully
-fp32 logits.
+Each block's softmax arithmetic is a small function that torch.compile fuses into one kernel on CUDA, which
+reads the matmul's bf16 output once; eager, those ops move each block through memory five or six times.
+The matmuls stay cuBLAS, in the input dtype (bf16 on GPU); softmax and gradient sums are fp32.
 
 Shape legend:
   N  sequences   T  positions   D  model width   V  vocabulary   M = N*T flattened tokens
@@ -107,10 +96,7 @@ class _ChunkedLogProb(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         (M, D), V, acc = hidden.shape, weight.shape[0], lse.dtype
         g = grad_logp.to(acc)                                                            # (M,)
-        # Blocks of (tokens x vocabulary slice), as large as the forward's chunks. Looping slices outside,
-        # token chunks inside, each weight-gradient slice is summed in `acc` while it is small and written
-        # once: no (V, D) fp32 accumulator beside the (V, D) result (0.55 GB for Qwen2.5-0.5B).
-        vs = min(V, VOCAB_SLICE)
+        vs = min(V, VOCAB_SLICE)  # blocks of (tokens x vocabulary slice), as large as the forward's chunks
         tc = max(1, ctx.chunk_size * V // vs)
         grad_h = torch.zeros((M, D), dtype=acc, device=hidden.device) if need_h else None  # (M, D)
         grad_w = torch.empty_like(weight) if need_w else None                               # (V, D)
@@ -143,14 +129,10 @@ def token_logprobs(
     """log softmax(hidden @ W^T / temperature)[targets] per token, without materialising (N, T, V) logits.
 
     hidden (N, T, D) final-norm hidden states; lm_head_weight (V, D); targets (N, T) long in [0, V).
-    Returns logp (N, T) fp32, or (logp, entropy) with entropy (N, T) fp32 of the same tempered
-    distribution when return_entropy (a metric: it carries no gradient). fp64 inputs give fp64 outputs.
-    Differentiable w.r.t. hidden and lm_head_weight; values and gradients equal the naive
-    log_softmax computation up to fp32 rounding. Peak extra memory: about two (chunk_size, V) blocks in the
-    input dtype on CUDA; eagerly, a few more in fp32.
-    chunk_size 0 is that naive computation itself (full fp32 logits through autograd): the baseline
-    that benchmarks compare the memory against.
-    Targets are not range-checked (that needs a host sync); out-of-range ids fail inside gather.
+    Returns logp (N, T) fp32 (fp64 for fp64 inputs), and with return_entropy the tempered distribution's
+    entropy (N, T), a metric without gradient. Values and gradients (w.r.t. hidden and the weight) equal the
+    naive computation's up to fp32 rounding; chunk_size 0 is that naive computation, the benchmarks' baseline.
+    Targets are not range-checked (a host sync); out-of-range ids fail inside gather.
     """
     if hidden.ndim != 3:
         raise ValueError(f"hidden must be (N, T, D), got shape {tuple(hidden.shape)}")

@@ -1,40 +1,31 @@
 """A run's peak device memory per rank, estimated from its configs alone, before anything is allocated.
 
 train.py compares the estimate with the GPU's free memory and stops at start, naming a setting that fits,
-rather than running out of memory a minute in. Pure arithmetic: nothing is allocated here.
+rather than running out of memory a minute in. Pure arithmetic, in allocated bytes (what
+torch.cuda.max_memory_allocated reports) for the longest prompt; train.py adds a margin for the allocator.
 
     peak = resident + max(update, scoring)
 
-resident (held from the first step on; weight_casts through every forward and backward):
-  weights           the policy, P parameters x 4 bytes (fp32 master) or 2 (--weights bf16)
-  optimizer         AdamW's two moments: 2 x P x 4, or 2 x P x 2 with bf16 weights (optim.py)
-  reference         the KL anchor (beta > 0): a deep copy of the policy (trainer.py)
-  weight_casts      fp32 weights on CUDA: autocast's bf16 copy of every matmul weight (and of the LM head,
-                    cast by hand), made in the forward and kept for its backward
-  engine_copy       the engine's own weights (decode.py: fused qkv / gate_up, the same P parameters), bf16
-                    on CUDA, and its RoPE tables
-  kv_pool           the engine's KV pages: every sequence of this rank's rollout at full length, or what
-                    kv_memory_fraction of the memory free at its construction holds, if less (engine.py)
-  engine_workspace  the decode step's logits and sampler buffers for the largest bucket, and a prefill of
-                    this rank's prompts: CUDA graphs keep them in their memory pool
+resident (held from the first step on):
+  weights           P x 4 bytes (fp32 master) or 2 (--weights bf16)
+  optimizer         AdamW's two moments, each like the weights (optim.py)
+  reference         the KL anchor (beta > 0): a copy of the policy
+  weight_casts      fp32 weights on CUDA: autocast's bf16 copy of every matmul weight, kept for the backward
+  engine_copy       the engine's own bf16 weights and RoPE tables (none when it shares the policy's)
+  kv_pool           the engine's KV pages: this rank's rollout at full length, or kv_memory_fraction of the
+                    memory free at its construction, if less
+  engine_workspace  the decode step's logits and sampler buffers, and a prefill of this rank's prompts
 update (one micro-batch's forward and backward, the optimizer step's gradients):
   gradients         P x 4 (fp32); bf16: P x 2, or P x 4 while micro-batches are summed in fp32 (GradSync)
   ddp_buckets       with W > 1, DDP's flat gradient buckets: another P x gradient size
   activations       what the decoder layers keep for the backward (_layer_bytes); with activation
-                    checkpointing, each layer's input plus one layer recomputed in the backward
-  lm_head           the log-probs' (token chunk x vocabulary) logits block, its fp32 temporaries, the
-                    hidden states it reads and their gradient (logprobs.py)
-scoring (the no-grad reference / old log-prob passes; they hold no gradients):
-  one layer's transient working set for a scoring batch, plus its LM-head chunk
+                    checkpointing, each layer's input plus one layer recomputed
+  lm_head           the log-probs' logits block and temporaries, the hidden states and their gradient
+scoring (the no-grad log-prob passes): one layer's working set for a scoring batch, plus its LM-head chunk
 
-Under FSDP (`--parallel fsdp`, W > 1) the weights, optimizer and reference divide by W; the gradients are
-this rank's shard, plus with bf16 weights and several micro-batches their fp32 sum, kept whole until the
-last one's reduce-scatter (distributed.GradSync); fsdp_gathered: the root unit (embedding, LM head, final
-norm) and two layers, gathered whole; the engine keeps its own copy; there are no DDP buckets. An engine
-that shares the policy's bf16 weights drops engine_copy, and one that frees its KV pool for the update
-moves kv_pool out of resident.
-The estimate counts allocated bytes (what torch.cuda.max_memory_allocated reports) for the longest prompt
-the data holds; train.py adds a margin for what the caching allocator reserves beyond them.
+Under FSDP (W > 1) weights, optimizer and reference divide by W, the gradients are this rank's shard (plus,
+with bf16 weights and several micro-batches, their whole fp32 sum), fsdp_gathered holds the root unit and
+two layers gathered whole, and there are no DDP buckets.
 
 Shape legend: P parameters, V vocabulary, C hidden size, F MLP width, H query heads, K kv heads, D head dim,
 L layers, W ranks, T training columns (prompt + completion), a / r bytes per activation / residual element.
@@ -52,12 +43,10 @@ from minigrpo.rl.config import TrainConfig
 if TYPE_CHECKING:  # not imported to run: the engine package loads the Triton kernels
     from minigrpo.engine.config import EngineConfig
 
-# An eager layer also keeps the elementwise intermediates: norms in fp32, a bf16 cast of the input per matmul
-# under autocast, RoPE's halves and outputs, SwiGLU's activation. Counted op by op, 1.5x (bf16) to 1.65x (fp32
-# under autocast) the compiled layer at the Qwen2.5 shapes; bench/NOTES.md (session 4) measured 1.55x.
+# An eager layer also keeps the elementwise intermediates (fp32 norms, autocast's casts, RoPE's halves, SwiGLU's
+# activation): 1.5x to 1.65x the compiled layer counted op by op; bench/NOTES.md (session 4) measured 1.55x.
 EAGER_FACTOR = 1.75
-# Per (token, vocabulary) element of an LM-head block at its peak: chunked, the fp32 logits and one fp32
-# temporary (logsumexp's exponentials, the entropy's; in the backward, the matmul output and its cast);
+# Per (token, vocabulary) element of an LM-head block at its peak: chunked, fp32 logits and one fp32 temporary;
 # full logits (chunk 0), the log-softmax kept for the backward, its gradient and one temporary.
 CHUNK_LOGIT_BYTES, FULL_LOGIT_BYTES = 8, 12
 
@@ -92,13 +81,6 @@ def _layer_bytes(m: ModelConfig, a: int, r: int) -> int:
     output aC and its log-sum-exp 4H; gate, up and their SwiGLU product 3aF."""
     C, KD = m.hidden_size, m.num_key_value_heads * m.head_dim
     return 2 * r * C + a * (4 * C + 2 * KD + 3 * m.intermediate_size) + 4 * m.num_attention_heads
-
-
-def _per_parameter(P: int, cfg: TrainConfig, fp32_sums: bool) -> dict[str, int]:
-    """The terms that scale with the parameters (FSDP would shard these)."""
-    w = 4 if cfg.weights == "fp32" else 2
-    return {"weights": P * w, "optimizer": 2 * P * w, "reference": P * w if cfg.kl_beta > 0 else 0,
-            "gradients": P * (4 if fp32_sums else w)}
 
 
 def _engine(m: ModelConfig, engine: EngineConfig, P: int, prompts: int, prompt_tokens: int, e: int,
@@ -140,12 +122,13 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
     T = prompt_tokens + cfg.max_new_tokens
 
     fsdp = cfg.parallel == "fsdp" and world > 1
-    resident = _per_parameter(P, cfg, fp32_sums=w == 2 and rows > cfg.micro_batch_size)
-    gradients = resident.pop("gradients")
+    fp32_sums = w == 2 and rows > cfg.micro_batch_size  # bf16 gradients of several micro-batches (GradSync)
+    resident = {"weights": P * w, "optimizer": 2 * P * w, "reference": P * w if cfg.kl_beta > 0 else 0}
+    gradients = P * (4 if fp32_sums else w)
     if fsdp:
         root = V * C * (1 if m.tie_word_embeddings else 2) + C
         resident = {k: v // world for k, v in resident.items()} | {"fsdp_gathered": (root + 2 * (P - root) // L) * w}
-        gradients = P * w // world + (P * 4 if w == 2 and rows > cfg.micro_batch_size else 0)
+        gradients = P * w // world + (P * 4 if fp32_sums else 0)
     # autocast casts every matmul weight but the embedding, and the LM head (the embedding itself when tied)
     resident["weight_casts"] = 2 * (P - L * 2 * C - C - (0 if m.tie_word_embeddings else V * C)) if amp else 0
     if engine is not None:

@@ -1,33 +1,20 @@
 """AdamW on bf16 weights with stochastic rounding: the memory-lean alternative to fp32 master weights.
 
-Why not plain bf16 AdamW: RL fine-tuning runs at lr ~1e-6, so Adam moves a weight by about 1e-6 per
-step, while bf16 spaces the numbers near a typical weight of 0.02 about 1.2e-4 apart. Round-to-nearest
-throws every such update away and the weights never move. The second moment has the same problem:
-beta2 = 0.999 changes v by 0.1% per step, under bf16's 0.2% half-spacing.
+Why not plain bf16 AdamW: RL fine-tuning runs at lr ~1e-6, so Adam moves a weight by about 1e-6 per step,
+while bf16 numbers near a typical weight of 0.02 are about 1.2e-4 apart: round-to-nearest throws every
+update away. The second moment has the same problem (beta2 = 0.999 changes v by 0.1%, under bf16's 0.2%
+half-spacing). Stochastic rounding fixes both (Gupta et al. 2015; Zamirai et al. 2020, "Revisiting BFloat16
+Training"): the step is computed in fp32 and rounded up or down to a neighbouring bf16 number with
+probability proportional to its distance from each, so on average a weight follows the fp32 trajectory.
+Weights, gradients and both moments stay in bf16: 8 bytes per parameter, against 16 with fp32 master weights.
 
-Stochastic rounding fixes both (Gupta et al. 2015, "Deep Learning with Limited Numerical Precision";
-Zamirai et al. 2020, "Revisiting BFloat16 Training"). The step is computed in fp32, and the result is
-rounded up or down to a neighbouring bf16 number, with probability proportional to its distance from
-each. The rounding is then unbiased: on average a weight follows the fp32 trajectory, and it costs no
-extra memory. Weights, gradients and both moments all stay in bf16: 8 bytes per parameter, against 16
-for fp32 master weights with fp32 moments.
-
-The random bits are a hash of (seed, element index), the sampler's counter-based noise (sampling.mix31),
-not a generator's stream: a step is a pure function of its seed, which the trainer derives from (seed,
-step), so runs are reproducible and resumes exact. It also lets the whole update of a chunk compile
-into one fused kernel (`compile=True`, on CUDA by default), instead of ~40 eager launches per chunk.
-The update runs over chunks of the parameters' elements in order: a large parameter is cut into chunks of
-`chunk` elements; consecutive small ones (norms, biases, a small model's projections) are concatenated
-into one chunk and copied back, because each call of the compiled function costs host time (its guards
-and launch) that a small tensor's work does not cover. Element i of the concatenation keeps its global
-index, so the grouping does not change a single rounding. Eager, `chunk` bounds the fp32 temporaries;
-compiled, they live in registers and `chunk` only sets the call count.
-
-Sharded parameters (FSDP: DTensors, each rank holding a block of rows) are updated shard by shard, each
-element with the noise of its index in the whole model, so a sharded step equals the unsharded one, under
-any number of ranks. (Shards of consecutive parameters are not consecutive in that index, so they are not
-grouped.) The state is created with the optimizer, not at the first step: torch.distributed.checkpoint's
-state-dict helpers would otherwise create it with a zero-learning-rate `step()`, which takes no seed here.
+The random bits are a hash of (seed, element index) (sampling.mix31), not a generator's stream: a step is a
+pure function of its seed, so resumes are exact, and a chunk's whole update compiles into one kernel. The
+update walks the parameters' elements in chunks: a large parameter is cut into chunks, consecutive small
+ones are concatenated into one (each compiled call costs host time); element i keeps its global index, so
+the grouping changes no rounding. FSDP shards (DTensors) are updated with the noise of their elements'
+indices in the whole model, so a sharded step equals the unsharded one. The state is created with the
+optimizer: torch.distributed.checkpoint would otherwise create it with a `step()` that takes no seed.
 
 Shape legend: n elements of one chunk.
 """
@@ -45,12 +32,10 @@ from minigrpo.model.sampling import M31, mix31
 def round_stochastic(x: torch.Tensor, seed: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """fp32 -> bf16, rounding to one of the two neighbouring bf16 values, unbiasedly.
 
-    bf16 is the top 16 bits of fp32. Adding uniform noise in [0, 2^16) to the low 16 bits and then
-    truncating them rounds the magnitude up with probability (low bits) / 2^16. The bit pattern is
-    sign-magnitude, so this works the same for negative numbers. The noise of element i is a hash of
-    (seed, offset + i), seed an int64 tensor in [0, 2^31). The hash takes 31 bits at a time: the index's
-    low 31 bits, then its high bits. So the noise never repeats with a period: element i and element
-    i + 2^31 are as unrelated as any two (a wrap of the index would round them alike at every step)."""
+    bf16 is the top 16 bits of fp32: adding uniform noise in [0, 2^16) to the low 16 bits and truncating them
+    rounds the magnitude up with probability (low bits) / 2^16, for either sign (sign-magnitude). The noise of
+    element i hashes (seed, offset + i), seed an int64 tensor in [0, 2^31), 31 index bits at a time, so that
+    elements 2^31 apart do not round alike."""
     assert x.dtype == torch.float32 and x.is_contiguous(), (x.dtype, x.stride())
     idx = torch.arange(offset, offset + x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
     noise = (mix31(mix31(seed ^ (idx & M31)) ^ (idx >> 31)) & 0xFFFF).int()         # (n,) in [0, 2^16)

@@ -4,14 +4,10 @@ Layout of a row: prompt and completion back to back from column 0, padding only 
 
     [p0 p1 p2 c0 c1 c2 pad pad]        prompt_len 3, completion_len 3, T = max over rows of the two summed
 
-Why right padding only: under a causal mask a token never sees anything to its right, so end padding can
-never reach a real token. The training forward then needs no attention mask and no position bookkeeping:
-positions are 0..T-1 in every row, exactly what the row computes alone, and SDPA takes its plain causal
-path. (On the H200 this measured the same step time and memory as the earlier left-padded layout with an
-explicit mask; it stays because it is the simpler one.)
-The causal LM's output at t predicts token t+1, so completion token j of row i (column P_i + j) is scored
-by hidden[i, P_i - 1 + j] (`scored`). Only real completion tokens go through the LM head: a row shorter than
-the longest completion costs no LM-head work for the difference.
+Right padding only: under a causal mask end padding never reaches a real token, so the training forward
+needs no attention mask and no position bookkeeping (positions 0..T-1 in every row) and SDPA takes its plain
+causal path. Completion token j of row i (column P_i + j) is scored by hidden[i, P_i - 1 + j] (`scored`);
+only real completion tokens go through the LM head.
 
 Shape legend: n rows, T columns, C completion length (padded, max over rows), D hidden size, M completion
 tokens (all rows).
@@ -19,7 +15,6 @@ tokens (all rows).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -66,8 +61,7 @@ class SequenceBatch:
         for i, (p, c) in enumerate(zip(prompts, completions)):
             ids[i, :len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
             comp[i, :len(c)] = torch.tensor(c, dtype=torch.long)
-        # completion_mask stops after the first stop id; the length mask also drops the right padding, which
-        # matters when the pad id is not a stop id and a row ended without one (truncated by a shorter budget).
+        # the length mask drops the right padding of a row without a stop (when the pad id is not a stop id)
         real = torch.arange(C)[None, :] < torch.tensor(lens)[:, None]                    # (n, C)
         mask = completion_mask(comp, stop_ids) * real                                    # (n, C)
         return cls(ids.to(device), mask.to(device), [len(p) for p in prompts], lens)
@@ -98,26 +92,16 @@ def completion_logprobs(model: Qwen2ForCausalLM, batch: SequenceBatch, *, temper
                         chunk_size: int = 1024, amp_dtype: torch.dtype | None = None,
                         return_entropy: bool = False, checkpoint_layers: bool = False):
     """log p(completion token | prefix) under softmax(logits / temperature): (n, C) fp32 [, entropy (n, C)],
-    0 past each row's completion.
-
-    With amp_dtype (bf16 on CUDA) the decoder runs under autocast and the LM head in amp_dtype, cast
-    explicitly outside autocast: autocast would cover only the hand-written forward of token_logprobs and
-    not its backward, which would then recompute the softmax in another precision than the forward's.
-    checkpoint_layers: activation checkpointing of the decoder layers (see `Qwen2ForCausalLM.hidden_states`).
-    """
-    amp = (torch.autocast(batch.ids.device.type, dtype=amp_dtype) if amp_dtype is not None
-           else contextlib.nullcontext())
-    with amp:
+    0 past each row's completion. With amp_dtype (bf16 on CUDA) the decoder runs under autocast and the LM head
+    is cast to amp_dtype by hand: autocast would not cover token_logprobs' hand-written backward, which would
+    then recompute the softmax in another precision. checkpoint_layers: activation checkpointing."""
+    with torch.autocast(batch.ids.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
         hidden = model.hidden_states(batch.ids, checkpoint_layers=checkpoint_layers)    # (n, T, D), no mask
     rows, j, col = batch.scored                                                            # (M,) each
-    h, targets = hidden[rows, col], batch.ids[rows, col + 1]                               # (M, D), (M,)
-    weight = model.lm_head.weight                                                          # (V, D)
-    if amp_dtype is not None:
-        h, weight = h.to(amp_dtype), weight.to(amp_dtype)
-    else:
-        h = h.to(weight.dtype)
-    out = token_logprobs(h[None], weight, targets[None], temperature=temperature, chunk_size=chunk_size,
-                         return_entropy=return_entropy)
+    dtype = amp_dtype or model.lm_head.weight.dtype
+    h, targets = hidden[rows, col].to(dtype), batch.ids[rows, col + 1]                     # (M, D), (M,)
+    out = token_logprobs(h[None], model.lm_head.weight.to(dtype), targets[None], temperature=temperature,
+                         chunk_size=chunk_size, return_entropy=return_entropy)
     zeros = hidden.new_zeros((len(batch.prompt_lens), batch.C), dtype=torch.float32)       # (n, C): 0 off the tokens
     if return_entropy:
         return zeros.index_put((rows, j), out[0][0]), zeros.index_put((rows, j), out[1][0])

@@ -328,6 +328,18 @@ def test_synthetic_task_is_learned(tmp_path):
     assert end >= 0.8, f"reward reached only {end:.3f} after {len(rewards)} steps: {rewards[::10]}"
 
 
+def test_samples_are_the_first_completion_of_each_of_the_first_prompts(tmp_path):
+    from minigrpo.rl.loop import run
+
+    trainer = _synthetic_trainer(tmp_path, prompts_per_step=2, samples_per_prompt=4, steps=1, sample_every=1,
+                                 num_samples=4)  # more samples asked for than the step has prompts
+    run(trainer)
+    rows = [json.loads(ln) for ln in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    r = trainer.last_rollout
+    assert [(x["question"], x["reward"]) for x in rows] == [
+        (trainer.task.describe(r["examples"][j])["question"], r["rewards"][4 * j]) for j in range(2)]
+
+
 _TIMING = ("time_", "tokens_per_s")
 
 

@@ -1,8 +1,7 @@
 """The trainer's settings: one frozen dataclass, validated on construction, and the LR schedule it implies.
 
-Kept apart from the loop (trainer.py) so that train.py, checkpoints and tests can build and compare
-configurations without the machinery that runs them. A checkpoint stores the config it was trained
-with; resuming refuses a different one, except for the settings in RESUMABLE_CHANGES.
+A checkpoint stores the config it was trained with; resuming refuses a different one, except for the settings
+in RESUMABLE_CHANGES.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import torch
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # TrainConfig.weights -> the policy's dtype
 PARALLEL = ("ddp", "fsdp")  # TrainConfig.parallel: under torchrun, weights replicated or sharded over ranks
+CHOICES = {"weights": tuple(WEIGHT_DTYPES), "parallel": PARALLEL, "lr_schedule": ("constant", "cosine")}
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,13 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("minibatch_size", "logprob_chunk_size", "warmup_steps", "eval_every", "save_every",
-                     "keep_checkpoints", "sample_every", "num_samples"):
+                     "keep_checkpoints", "sample_every", "num_samples", "kl_beta", "weight_decay", "max_grad_norm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        rows = self.prompts_per_step * self.samples_per_prompt
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        rows = self.rows_per_step
         if self.minibatch_size and rows % self.minibatch_size:
             raise ValueError(f"minibatch_size {self.minibatch_size} must divide the B*G = {rows} rows of a step")
         if self.eval_samples > rows:
@@ -92,12 +95,6 @@ class TrainConfig:
                              f"rollout engine's batch)")
         if self.samples_per_prompt < 2:
             raise ValueError("samples_per_prompt must be >= 2: a group of one always has zero advantage")
-        if self.weights not in WEIGHT_DTYPES:
-            raise ValueError(f"weights must be one of {sorted(WEIGHT_DTYPES)}, got {self.weights!r}")
-        if self.parallel not in PARALLEL:
-            raise ValueError(f"parallel must be one of {PARALLEL}, got {self.parallel!r}")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if not 0.0 < self.temperature:
             raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature}")
         if self.top_p != 1.0:
@@ -113,9 +110,6 @@ class TrainConfig:
         if self.eval_temperature < 0 or (self.eval_samples > 1 and self.eval_temperature == 0):
             raise ValueError(f"eval_samples={self.eval_samples} needs eval_temperature > 0 (greedy samples are copies "
                              f"of one completion), and eval_temperature must be >= 0; got {self.eval_temperature}")
-        for name in ("kl_beta", "weight_decay", "max_grad_norm"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 # Settings that may change when resuming: they do not alter the training trajectory (parallel, like the

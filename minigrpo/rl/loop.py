@@ -1,11 +1,6 @@
-"""The run around the training step: steps until done, evaluation, logging, samples and checkpoints on
-schedule, and a clean stop on Ctrl-C, SIGTERM or a NaN.
-
-    history = run(trainer)
-
-`Trainer.step` is the algorithm (trainer.py); this is the bookkeeping a real run needs around it. Rank 0
-alone logs and writes; every rank steps, evaluates its share of the eval examples and saves together
-(evaluation and checkpoints are collective).
+"""The run around the training step (`history = run(trainer)`): steps until done, evaluation, logging,
+samples and checkpoints on schedule, and a clean stop on Ctrl-C, SIGTERM or a NaN. Rank 0 alone logs and
+writes; every rank steps, evaluates its share and saves (evaluation and checkpoints are collective).
 """
 
 from __future__ import annotations
@@ -20,10 +15,8 @@ from minigrpo.run.stopping import Interrupted, NonFiniteError, StopSignals, nonf
 
 
 def run(trainer: Trainer) -> list[dict]:
-    """Train until cfg.steps, logging, evaluating and checkpointing on schedule. Returns the step records.
-
-    Stops early, raising, on SIGINT / SIGTERM (after the current step and a checkpoint: `Interrupted`)
-    and on a NaN or inf loss or weight (before saving them: `NonFiniteError`); see stopping.py."""
+    """Train until cfg.steps; returns the step records. Raises `Interrupted` on SIGINT / SIGTERM (after the step
+    and a checkpoint) and `NonFiniteError` on a NaN or inf loss or weight (before saving them)."""
     t, cfg, main = trainer, trainer.cfg, trainer.dist.is_main
     logger = MetricsLogger(t.out_dir, tensorboard=t.tensorboard, echo=t.echo,
                            resume_step=t.step_idx if t.step_idx else None) if main else None
@@ -80,10 +73,6 @@ def _evaluate(t: Trainer, logger: MetricsLogger | None) -> dict:
 def _samples(t: Trainer) -> list[dict]:
     """The latest step's first completion of each of the first prompts, decoded with its stop token."""
     r, G = t.last_rollout, t.cfg.samples_per_prompt
-    out = []
-    for j in range(min(t.cfg.num_samples, len(r["completions"]))):
-        row = j * G
-        ex = r["examples"][row // G]
-        text = t.tokenizer.decode(r["completions"][row], skip_special_tokens=False)
-        out.append({**t.task.describe(ex), "completion": text, "reward": r["rewards"][row]})
-    return out
+    return [{**t.task.describe(r["examples"][j]),
+             "completion": t.tokenizer.decode(r["completions"][j * G], skip_special_tokens=False),
+             "reward": r["rewards"][j * G]} for j in range(min(t.cfg.num_samples, len(r["examples"])))]

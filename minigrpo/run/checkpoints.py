@@ -4,19 +4,13 @@
     OUT/checkpoints/step_000050/trainer_state.pt   optimizer, step (the LR is a function of it), RNGs, data position
     OUT/checkpoints/latest                         name of the newest complete checkpoint
 
-The model is saved in the policy's own dtype (fp32 master weights), not rounded to bf16: a resumed run
-must start from bit-identical weights to reproduce the uninterrupted one.
-
-Crash safety: a checkpoint is assembled in a temporary sibling directory (`.step_*.tmp-PID`) and renamed
-into place when complete, and only then is `latest` replaced (also write-then-rename), so `latest` always
-names a complete checkpoint and a crash at any moment leaves the previous one usable. Temporary folders a
-crash leaves behind are removed at the next start (`remove_stale_temps`). Pruning keeps the newest
-checkpoints of this run by step number, counting only steps up to the one just written: checkpoints past
-it are from before a resume that rewound the run (`Trainer.resume` points `latest` back at its checkpoint,
-so `latest` never names a folder that a later save replaces).
-
-The file is read with `torch.load(weights_only=True)`: it holds only tensors and plain Python values
-(the numpy RNG state is stored as lists for that reason), so loading one runs no pickled code.
+The model is saved in the policy's own dtype, not rounded to bf16: a resumed run starts from bit-identical
+weights. A checkpoint is assembled in a temporary sibling folder (`.step_*.tmp-PID`) and renamed into place
+when complete, and only then is `latest` replaced (write, then rename), so a crash at any moment leaves
+`latest` naming a complete checkpoint; the next start removes the leftovers (`remove_stale_temps`). Pruning
+keeps the newest checkpoints up to the step just written: later ones predate a resume that rewound the run.
+The state file holds only tensors and plain values (the numpy RNG state as lists), so it loads with
+`torch.load(weights_only=True)`, running no pickled code.
 """
 
 from __future__ import annotations
@@ -61,10 +55,9 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *, weights: dict | None = None,
                     tokenizer_dir: str | Path | None = None, keep: int = 0) -> Path:
-    """Write checkpoint `step_{step:06d}` under ckpt_root atomically, point `latest` at it, and keep the
-    newest `keep` checkpoints up to this step (0 = all). A step that `latest` already names was saved and
-    has not moved since (no step in between): it is not written twice. weights: the model's full state
-    dict, when `model` holds only shards of it (FSDP)."""
+    """Write checkpoint `step_{step:06d}` under ckpt_root atomically, point `latest` at it, and keep the newest
+    `keep` up to this step (0 = all). A step `latest` already names is not written twice. weights: the full
+    state dict, when `model` holds only shards of it (FSDP)."""
     ckpt_root = Path(ckpt_root)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
@@ -106,9 +99,8 @@ def set_latest(ckpt_root: str | Path, name: str) -> None:
 
 
 def remove_stale_temps(ckpt_root: str | Path) -> list[str]:
-    """Delete the temporary folders and files an interrupted save or prune left under ckpt_root (their
-    names start with a dot: `latest` never names one). Returns their names. Call only while no process is
-    writing checkpoints there."""
+    """Delete the temporary folders and files an interrupted save or prune left under ckpt_root (names starting
+    with a dot) and return their names. Call only while no process is writing checkpoints there."""
     stale = sorted(Path(ckpt_root).glob(".step_*")) + sorted(Path(ckpt_root).glob(f".{LATEST}.tmp-*"))
     for path in stale:
         if path.is_dir():
@@ -137,9 +129,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def load_checkpoint(path: str | Path, model, device: str | torch.device) -> dict:
     """Copy the checkpoint's weights into `model` (into its shards, under FSDP) and return the trainer state
     (RNG states restored)."""
-    path = resolve_checkpoint(path)
-    if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"{path} has no {STATE_FILE}; the checkpoint is incomplete")
+    path = resolve_checkpoint(path)  # holds STATE_FILE
     ours, theirs = model.config, ModelConfig.from_json(path / "model" / "config.json")
     differ = [f"{k} {getattr(theirs, k)} vs {getattr(ours, k)}" for k in _SHAPE
               if getattr(theirs, k) != getattr(ours, k)]

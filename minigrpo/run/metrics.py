@@ -1,12 +1,10 @@
 """Metric logging: one readable stdout line per step, `metrics.jsonl` (one JSON object per step), optional
-TensorBoard, `samples.jsonl` (a few decoded completions now and then, to read what the policy does),
-`eval.jsonl` (every evaluated example, its completions and verdicts, per evaluation); and `PhaseTimer`,
-which measures the time_* keys.
+TensorBoard, `samples.jsonl` (a few decoded completions now and then), `eval.jsonl` (every evaluated
+example, its completions and verdicts); and `PhaseTimer`, which measures the time_* keys.
 
-jsonl is the source of truth: append-only, flushed every step, trivially loaded with pandas. A fresh
-logger refuses a folder that already has records (it never deletes them). On resume, records past the
-resumed step (written by the interrupted run after its last checkpoint) are dropped, as is a last line
-that a crash cut short, so the file reads as one uninterrupted run.
+jsonl is the source of truth: append-only, flushed every step. A fresh logger refuses a folder that already
+has records; on resume, records past the resumed step and a last line cut short by a crash are dropped, so
+the file reads as one uninterrupted run.
 
 Step record keys (rollout statistics are over all B*G completions; entropy and the mismatch keys only over
 the rows that were trained on, since with kl_beta = 0 zero-advantage groups get no forward pass):
@@ -92,15 +90,12 @@ class MetricsLogger:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path, self.samples_path = self.out_dir / "metrics.jsonl", self.out_dir / "samples.jsonl"
         self.eval_path = self.out_dir / "eval.jsonl"
-        paths = (self.metrics_path, self.samples_path, self.eval_path)
-        if resume_step is None:  # a fresh run never writes over (or after) another run's records
-            for p in paths:
-                if p.exists():
-                    raise FileExistsError(f"{p} exists: it holds another run's records; resume that run or "
-                                          f"write to a new folder")
-        else:
-            for p in paths:
+        for p in (self.metrics_path, self.samples_path, self.eval_path):
+            if resume_step is not None:
                 _truncate_after(p, resume_step)
+            elif p.exists():  # a fresh run never writes over (or after) another run's records
+                raise FileExistsError(f"{p} exists: it holds another run's records; resume that run or "
+                                      f"write to a new folder")
         self.echo = echo
         if echo:
             tqdm.write(LEGEND)
@@ -139,9 +134,8 @@ class MetricsLogger:
 
 
 class _CompileClock:
-    """Wall seconds this process has spent in torch.compile: Dynamo tracing, Inductor code generation and the
-    backward graphs compiled at their first use. Process-wide, like the compiler's caches: Dynamo calls back at
-    the start and end of each outermost compile (nested ones are not counted twice). Counts from the first read."""
+    """Wall seconds this process has spent in torch.compile (tracing, code generation, backward graphs at first
+    use), from Dynamo's callbacks at the start and end of each outermost compile. Counts from the first read."""
 
     def __init__(self):
         self.total, self.since = 0.0, None
@@ -164,8 +158,8 @@ compile_seconds = _CompileClock().read
 
 
 class PhaseTimer:
-    """Wall time per phase; synchronises CUDA first so that a phase is charged for its own kernels. `compiling`:
-    the seconds of it spent compiling."""
+    """Wall time per phase, synchronising CUDA so that a phase is charged for its own kernels; `compiling`: the
+    seconds of it spent compiling."""
 
     def __init__(self, device: torch.device, phases: tuple[str, ...]):
         self.device, self.times = device, dict.fromkeys(phases, 0.0)  # phases not reached stay at 0

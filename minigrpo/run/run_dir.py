@@ -1,9 +1,8 @@
 """A run's output folder (--out): no command deletes another run's files, or mixes two runs in one folder.
 
-A folder "holds a run" once it has any of RUN_FILES. A new run into such a folder is refused; the user
-either continues it (--resume), picks another --out, or passes --overwrite, which moves the old run aside
-to `<out>.old-<time>` and deletes nothing. Resuming a checkpoint from elsewhere into a folder that holds a
-run is refused too, since the folder would then hold the history of two runs.
+A folder "holds a run" once it has any of RUN_FILES. A new run into it is refused unless it continues that
+run (--resume) or moves it aside to `<out>.old-<time>` (--overwrite, which deletes nothing); so is resuming
+a checkpoint from elsewhere into it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Why a run stops before its last step, and how it stops without losing anything.
 
-Signals: SIGINT (Ctrl-C) and SIGTERM (how clusters preempt jobs) ask the run to stop. `StopSignals`
-turns the first one into a flag, so that the loop finishes the current step, saves a checkpoint and
-raises `Interrupted`; a second signal acts at once (Ctrl-C: KeyboardInterrupt, SIGTERM: the default exit)
-while the last complete checkpoint stays as it was (checkpoints are written atomically).
-
-Non-finite values: a step whose loss or updated weights are NaN or inf stops the run with
-`NonFiniteError` before anything saves those weights.
+SIGINT (Ctrl-C) and SIGTERM (how clusters preempt jobs): `StopSignals` turns the first one into a flag, so that
+the loop finishes the step, saves a checkpoint and raises `Interrupted`; a second one acts at once, leaving
+the last complete checkpoint as it was. A step whose loss or weights are NaN or inf raises `NonFiniteError`
+before anything saves those weights.
 """
 
 from __future__ import annotations
@@ -63,7 +60,9 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._restore()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
         self.received = signum
@@ -74,8 +73,3 @@ class StopSignals:
         # os.write, not print: the signal may have interrupted a print to the same stream.
         os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step to save a checkpoint "
                     f"(Ctrl-C again stops at once; the last complete checkpoint is kept)\n".encode())
-
-    def _restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}

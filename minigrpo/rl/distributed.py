@@ -1,17 +1,13 @@
 """Data-parallel plumbing for `torchrun --nproc-per-node N train.py ...`: process group, sharding, reductions.
 
 A data-parallel run is a re-partitioning of the single-process step:
-  - every rank keeps the full prompt order and the full list of B*G rollout seeds, and takes its contiguous
-    block of B/W prompts. Groups never span ranks, so advantages stay local, and the ranks' rollouts together
-    are exactly the single-process rollout.
-  - the update goes through DDP (`--parallel ddp`: all state replicated) or FSDP2 (`--parallel fsdp`: each
-    rank holds 1/W of it), which both average gradients over ranks; each rank scales its loss by W, so the
-    gradient is the single-process step's. Every rank runs the same forwards and backwards (FSDP gathers
-    weights in each), padding with zero-weight stand-in rows (Trainer._micro_batches, Trainer._score).
-  - checkpoints hold the full state, written by rank 0 alone, so they resume under either mode and any world
-    size that divides B.
-
-`Dist()` (world 1) is the single-process case: every helper is the identity and torch.distributed is untouched.
+  - every rank derives the full prompt order and rollout seeds and takes its contiguous block of B/W prompts:
+    groups never span ranks, and the ranks' rollouts together are the single-process rollout.
+  - the update goes through DDP (`--parallel ddp`: state replicated) or FSDP2 (`--parallel fsdp`: sharded),
+    which average gradients over ranks; each rank scales its loss by W, so the gradient is the single-process
+    one. Every rank runs the same forwards and backwards, padding with zero-weight stand-in rows.
+  - checkpoints hold the full state, written by rank 0: they resume in either mode, any world size dividing B.
+`Dist()` (world 1) is the single process: every helper is the identity and torch.distributed is untouched.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ from torch.nn.parallel import DistributedDataParallel
 class Dist:
     rank: int = 0
     world: int = 1
-    local_rank: int = 0
     device: str = "cpu"  # where collectives run: NCCL only moves CUDA tensors, gloo CPU ones
 
     @property
@@ -99,7 +94,7 @@ def init_from_env(device: str) -> tuple[Dist, str]:
     tdist.init_process_group("nccl" if on_cuda else "gloo", rank=rank, world_size=world,
                              device_id=torch.device(device) if on_cuda else None,
                              timeout=timedelta(minutes=30))  # rank 0 writes checkpoints alone: others wait
-    return Dist(rank, world, local_rank, device if on_cuda else "cpu"), device
+    return Dist(rank, world, device if on_cuda else "cpu"), device
 
 
 def shutdown(dist: Dist, together: bool = False) -> None:

@@ -2,10 +2,10 @@
 
 Reference: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective" (Dr. GRPO).
 GRPO (Shao et al. 2024) normalises in two places that bias the optimisation:
-  * advantages are divided by the group's reward std, so prompts that are almost always solved (or almost
-    never) get *up-weighted* -- a difficulty bias unrelated to how informative the samples are;
-  * each sequence's token losses are averaged over its own length, so a wrong long answer is penalised
-    less per token than a wrong short one -- this is what makes GRPO responses grow without bound.
+  * advantages are divided by the group's reward std: prompts almost always (or almost never) solved get
+    *up-weighted*, a difficulty bias;
+  * each sequence's token losses are averaged over its own length: a wrong long answer is penalised less per
+    token than a wrong short one, which makes GRPO responses grow without bound.
 Dr. GRPO removes both: A = r - mean_group(r), and the loss is a token *sum* divided by a constant
 (number of sequences x max_new_tokens), so every token gets the same weight no matter the length.
 Everything here is batched torch with no host syncs, so it does not stall a CUDA stream.
@@ -27,10 +27,8 @@ def _check_groups(x: torch.Tensor, group_size: int, name: str) -> None:
     if x.ndim != 1:
         raise ValueError(f"{name} must be 1-D (N,), got shape {tuple(x.shape)}")
     if group_size < 1 or x.shape[0] % group_size != 0:
-        raise ValueError(
-            f"{name} has {x.shape[0]} entries, not a multiple of group_size={group_size}; "
-            f"expected N = num_prompts * group_size laid out group-major"
-        )
+        raise ValueError(f"{name} has {x.shape[0]} entries, not a multiple of group_size={group_size}; "
+                         f"expected N = num_prompts * group_size laid out group-major")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -54,9 +52,8 @@ def completion_mask(completion_ids: torch.Tensor, stop_ids: int | Sequence[int])
     """(N, C) float mask: 1 up to and including the first stop token of each row (so that the policy learns
     to emit it), 0 after it; all ones for a row without one (truncated)."""
     if completion_ids.ndim != 2 or completion_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"completion_ids must be an integer (N, C) tensor, got {completion_ids.dtype} {tuple(completion_ids.shape)}"
-        )
+        raise ValueError(f"completion_ids must be an integer (N, C) tensor, got {completion_ids.dtype} "
+                         f"{tuple(completion_ids.shape)}")
     stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
     if not stop_ids:
         raise ValueError("stop_ids is empty; pass the tokenizer's end-of-turn / end-of-text ids")
@@ -81,20 +78,10 @@ def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap
     return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()
 
 
-def dr_grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    eps_low: float,
-    eps_high: float | None = None,
-    ref_logp: torch.Tensor | None = None,
-    beta: float = 0.0,
-    max_new_tokens: int,
-    num_sequences: int | None = None,
-    is_weight: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dr_grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
+                 eps_low: float, eps_high: float | None = None, ref_logp: torch.Tensor | None = None,
+                 beta: float = 0.0, max_new_tokens: int, num_sequences: int | None = None,
+                 is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss with the Dr. GRPO constant normaliser.
 
     logp, old_logp, ref_logp: (N, C) fp32 log-probs of the sampled tokens under the current policy (with
@@ -154,9 +141,7 @@ def dr_grpo_loss(
     with torch.no_grad():
         ratio_d = ratio.detach()
         clip_active = ((ratio_d > 1.0 + eps_high) & (A > 0)) | ((ratio_d < 1.0 - eps_low) & (A < 0))
-        stats = {
-            "clip_frac": _masked_mean(clip_active.to(mask.dtype), mask),
-            "kl": _masked_mean(kl.detach(), mask) if kl is not None else logp.new_zeros(()),
-            "ratio_mean": _masked_mean(ratio_d, mask),
-        }
+        stats = {"clip_frac": _masked_mean(clip_active.to(mask.dtype), mask),
+                 "kl": _masked_mean(kl.detach(), mask) if kl is not None else logp.new_zeros(()),
+                 "ratio_mean": _masked_mean(ratio_d, mask)}
     return loss, stats

@@ -117,15 +117,8 @@ class _ChunkedLogProb(torch.autograd.Function):
         return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None, None
 
 
-def token_logprobs(
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = 1024,
-    return_entropy: bool = False,
-):
+def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, *,
+                   temperature: float = 1.0, chunk_size: int = 1024, return_entropy: bool = False):
     """log softmax(hidden @ W^T / temperature)[targets] per token, without materialising (N, T, V) logits.
 
     hidden (N, T, D) final-norm hidden states; lm_head_weight (V, D); targets (N, T) long in [0, V).
@@ -142,10 +135,8 @@ def token_logprobs(
     if targets.shape != (N, T) or targets.dtype != torch.long:
         raise ValueError(f"targets must be int64 of shape {(N, T)}, got {targets.dtype} {tuple(targets.shape)}")
     if hidden.dtype != lm_head_weight.dtype or hidden.device != lm_head_weight.device:
-        raise ValueError(
-            f"hidden ({hidden.dtype}, {hidden.device}) and lm_head_weight "
-            f"({lm_head_weight.dtype}, {lm_head_weight.device}) must share dtype and device"
-        )
+        raise ValueError(f"hidden ({hidden.dtype}, {hidden.device}) and lm_head_weight ({lm_head_weight.dtype}, "
+                         f"{lm_head_weight.device}) must share dtype and device")
     if chunk_size < 0:
         raise ValueError(f"chunk_size must be >= 1 (or 0: full logits), got {chunk_size}")
     if not temperature > 0:
@@ -156,9 +147,8 @@ def token_logprobs(
         if return_entropy:
             return logp, -(logp_all.exp() * logp_all).sum(-1).detach()
         return logp
-    out = _ChunkedLogProb.apply(
-        hidden.reshape(N * T, D), lm_head_weight, targets.reshape(N * T), float(temperature), chunk_size, return_entropy
-    )
+    out = _ChunkedLogProb.apply(hidden.reshape(N * T, D), lm_head_weight, targets.reshape(N * T), float(temperature),
+                                chunk_size, return_entropy)
     if return_entropy:
         logp, entropy = out
         return logp.view(N, T), entropy.view(N, T)

@@ -33,15 +33,12 @@ class UpdateSums:
     """The update's metrics: summed on the device over micro-batches (no host sync), over ranks at the end."""
 
     def __init__(self, device):
-        self.loss, self.clip, self.kl, self.tokens = (torch.zeros((), device=device) for _ in range(4))
+        self.sums = torch.zeros(4, device=device)  # loss, clipped tokens, KL x tokens, tokens
         self.norms, self.skipped = [], 0
 
     def add(self, loss: torch.Tensor, stats: dict, tokens: torch.Tensor) -> None:
         """One micro-batch's loss and dr_grpo_loss stats, over `tokens` trained tokens."""
-        self.loss += loss.detach()
-        self.clip += stats["clip_frac"] * tokens
-        self.kl += stats["kl"] * tokens
-        self.tokens += tokens
+        self.sums += torch.stack([loss.detach(), stats["clip_frac"] * tokens, stats["kl"] * tokens, tokens])
 
     def stepped(self, norm: torch.Tensor | None) -> None:
         """An optimizer step with this pre-clip gradient norm, or None for one skipped (NaN or inf gradient)."""
@@ -51,7 +48,7 @@ class UpdateSums:
             self.norms.append(norm)
 
     def metrics(self, dist: Dist, with_kl: bool) -> dict:
-        loss, clip, kl, tokens = dist.sum(torch.stack([self.loss, self.clip, self.kl, self.tokens]))
+        loss, clip, kl, tokens = dist.sum(self.sums)
         tokens = tokens.clamp(min=1)
         out = {"loss": (loss / max(1, len(self.norms) + self.skipped)).item(), "clip_frac": (clip / tokens).item(),
                "grad_norm": torch.stack(self.norms).mean().item() if self.norms else None,

@@ -80,7 +80,7 @@ def summarize(records: list[dict], k: int) -> dict:
            "truncated_frac": 1 - sum(flat("stopped")) / len(correct)}
     if k > 1:
         out[f"mean@{k}"] = out["accuracy"]
-        for j in sorted({2 ** e for e in range(k.bit_length()) if 2 ** e <= k} | {k}):
+        for j in sorted({2 ** e for e in range(k.bit_length())} | {k}):
             out[f"pass@{j}"] = sum(pass_at_k(k, sum(r["correct"]), j) for r in records) / n
     return out
 

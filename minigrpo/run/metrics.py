@@ -6,21 +6,17 @@ jsonl is the source of truth: append-only, flushed every step. A fresh logger re
 has records; on resume, records past the resumed step and a last line cut short by a crash are dropped, so
 the file reads as one uninterrupted run.
 
-Step record keys (rollout statistics are over all B*G completions; entropy and the mismatch keys only over
-the rows that were trained on, since with kl_beta = 0 zero-advantage groups get no forward pass):
+Step record keys (rollout statistics over all B*G completions; entropy and the mismatch keys over the trained
+rows only: with kl_beta = 0 zero-advantage groups get no forward):
   reward_mean/std, accuracy (exactly correct), zero_spread_frac (rows in groups with all-equal rewards),
-  completion_len_mean/max, completion_tokens (in all N completions), truncated_frac (no stop token or stop
-  string within max_new_tokens), trained_rows,
-  loss (per optimizer step, mean), clip_frac (tokens where the PPO clip bound), kl (k3 to the reference;
-  only with kl_beta > 0), entropy (per token, at the sampling temperature), grad_norm (pre-clip, mean over
-  optimizer steps), logp_diff_mean/max (|rollout engine log-prob - trainer log-prob| of the sampled tokens:
-  numerical mismatch between engine and trainer), mismatch_kl (k3 KL(rollout || trainer) on those tokens),
-  tis_weight_mean (the truncated importance weight as applied), tis_ratio_max (before the cap),
-  tis_capped_frac (tokens whose weight the cap bound), lr, time_{rollout,reward,logprobs,update,sync,step} (seconds),
-  rollout_tokens_per_s and tokens_per_s (completion tokens / rollout time, / step time), compile_s (seconds of
-  the step spent in torch.compile, part of time_step), peak_mem_gb (CUDA; 0 on CPU), skipped_update (only
-  when no group had any reward spread), eval_* (evaluation steps: evaluate.py's keys, e.g. eval_accuracy,
-  eval_pass@4).
+  completion_len_mean/max, completion_tokens, truncated_frac (no stop within max_new_tokens), trained_rows,
+  loss (mean per optimizer step), clip_frac (tokens where the PPO clip bound), kl (k3 to the reference, with
+  kl_beta > 0), entropy (per token, at the sampling temperature), grad_norm (pre-clip, mean over optimizer
+  steps), logp_diff_mean/max (|rollout engine - trainer| log-prob of the sampled tokens), mismatch_kl (k3
+  KL(rollout || trainer) on them), tis_weight_mean (as applied), tis_ratio_max (before the cap),
+  tis_capped_frac, lr, time_{rollout,reward,logprobs,update,sync,step} (seconds), rollout_tokens_per_s and
+  tokens_per_s (completion tokens / rollout time, / step time), compile_s (seconds of the step compiling),
+  peak_mem_gb (CUDA; 0 on CPU), skipped_update (no group had a reward spread), eval_* (evaluate.py's keys).
 """
 
 from __future__ import annotations

@@ -67,9 +67,8 @@ class SequenceBatch:
         return cls(ids.to(device), mask.to(device), [len(p) for p in prompts], lens)
 
     def select(self, rows: list[int], *, n_rows: int = 0) -> "SequenceBatch":
-        """The given rows, with the columns that are padding in all of them trimmed off, and empty rows (no
-        completion, mask 0) appended up to `n_rows`. Padding never reaches a real token (causal attention,
-        module doc) and the zero mask keeps it out of every loss and metric."""
+        """The given rows without the columns that are padding in all of them, plus empty rows (mask 0) up to
+        `n_rows`: padding never reaches a real token, and the zero mask keeps it out of every loss and metric."""
         C2 = max(1, max(self.completion_lens[r] for r in rows))
         T2 = max(self.prompt_lens[r] + max(1, self.completion_lens[r]) for r in rows)
         extra = max(0, n_rows - len(rows))

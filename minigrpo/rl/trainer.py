@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -348,8 +348,8 @@ class Trainer:
         ckpt = resolve_checkpoint(path)
         state = load_checkpoint(ckpt, self.model, self.device)
         saved = state["config"]
-        changed = {f.name: (saved.get(f.name), getattr(self.cfg, f.name)) for f in fields(self.cfg)
-                   if f.name not in RESUMABLE_CHANGES and saved.get(f.name) != getattr(self.cfg, f.name)}
+        changed = {k: (saved.get(k), v) for k, v in asdict(self.cfg).items()
+                   if k not in RESUMABLE_CHANGES and saved.get(k) != v}
         if self.cfg.lr_schedule == "cosine" and saved.get("steps") != self.cfg.steps:
             changed["steps (sets the cosine schedule)"] = (saved.get("steps"), self.cfg.steps)
         if changed:

@@ -39,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
 from minigrpo.engine.decode import DecodeModel  # noqa: E402
 from minigrpo.rl import distributed  # noqa: E402
-from minigrpo.rl.loop import freeze_gc  # noqa: E402
 from minigrpo.rl.trainer import Trainer  # noqa: E402
 
 
@@ -101,12 +100,9 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
     pool = getattr(backend, "kv", None)  # the engine's KV pool, resident through the update
     kv_gb = sum(t.numel() * t.element_size() for t in pool.k + pool.v) / 2**30 if pool else 0.0
     rows, clock = [], GcClock()
-    for _ in range(args.steps):  # as train.py's run loop does (rl/loop.py), unless --no-freeze-gc
+    for _ in range(args.steps):
         clock.reset()
-        m = trainer.step()
-        rows.append(dict(m, kv_pool_gb=kv_gb, **clock.reset()))
-        if m["compile_s"] > 0 and not args.no_freeze_gc:
-            freeze_gc()
+        rows.append(dict(trainer.step(), kv_pool_gb=kv_gb, **clock.reset()))
     # The estimate the start-up check made (for the data's longest prompt), and for the longest one drawn
     estimates = [train_cli.memory_estimator(cli, model.config, task, None, dist.world, longest_prompt=n)(cli.cfg)
                  for n in (None, reward.longest)]
@@ -195,8 +191,6 @@ def main():
     p.add_argument("--engine-copy", action="store_true",
                    help="the engine keeps a copy of the weights, synced after each update, even where it could share "
                         "the policy's memory (--weights bf16 on CUDA): the behaviour before sharing, to compare")
-    p.add_argument("--no-freeze-gc", action="store_true",
-                   help="leave the garbage collector as Python sets it (train.py freezes it after a step that compiled)")
     p.add_argument("extra", nargs="*", help="more train.py flags (after --)")
     args = p.parse_args()
     if args.engine_copy:

@@ -75,9 +75,8 @@ class TrainConfig:
             values = value if isinstance(value, tuple) else (value,)
             if any(isinstance(v, float) and not math.isfinite(v) for v in values):
                 raise ValueError(f"{f.name} must be a finite number, got {value}")
-        positive = ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "inner_epochs",
-                    "micro_batch_size", "score_batch_size", "steps", "eval_batch_size", "eval_samples")
-        for name in positive:
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "inner_epochs", "micro_batch_size",
+                     "score_batch_size", "steps", "eval_batch_size", "eval_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("minibatch_size", "logprob_chunk_size", "warmup_steps", "eval_every", "save_every",

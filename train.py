@@ -267,6 +267,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,
             seed=args.seed, logprob_chunk_size=args.logprob_chunk_size,
             activation_checkpointing=args.activation_checkpointing, weights=args.weights, parallel=args.parallel,
+            task=(args.preset if args.preset != "gsm8k"
+                  else " ".join(filter(None, (args.task, args.template, args.reward)))),
             # the reference generator runs the policy itself at every length: compiled, a recompile per token
             compile_policy=(args.compile_policy if args.compile_policy is not None
                             else device.type == "cuda" and args.attn != "reference"))

@@ -16,6 +16,7 @@ from minigrpo.rl.data import EpochSampler
 from minigrpo.rl.evaluate import evaluate
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.rl.trainer import Trainer
+from minigrpo.run.checkpoints import STATE_FILE
 from minigrpo.run.metrics import MetricsLogger, PhaseTimer, compile_seconds
 from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
 from minigrpo.tasks.templates import Stops
@@ -377,6 +378,11 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, weights, attn):
         assert not torch.equal(full.model.state_dict()["lm_head.weight"], first.ref.state_dict()["lm_head.weight"])
     with pytest.raises(ValueError, match="lr: checkpoint 0.003 vs now 0.001"):
         _synthetic_trainer(tmp_path / "other", **{**cfg, "lr": 1e-3}).resume(ckpt)
+    state = torch.load(ckpt / STATE_FILE, weights_only=False)  # as checkpoints before named optimizer state
+    state["optimizer"]["state"] = dict(enumerate(state["optimizer"]["state"].values()))
+    torch.save(state, ckpt / STATE_FILE)
+    with pytest.raises(ValueError, match="optimizer state is numbered, not named by parameter"):
+        _synthetic_trainer(tmp_path / "old", **cfg).resume(ckpt)
 
 
 def test_activation_checkpointing_trains_identically(tmp_path, monkeypatch):

@@ -57,6 +57,7 @@ class TrainConfig:
     compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference,
                                       # batch and length dimensions dynamic: one graph per grad mode
     parallel: str = "ddp"             # the update under torchrun: DDP or FSDP2 (distributed.py); none alone
+    task: str = "gsm8k chat"          # what the rollout reads (train.py's task, template, reward): kept on resume
 
     @property
     def rows_per_step(self) -> int:

@@ -356,6 +356,9 @@ class Trainer:
             diffs = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
             raise ValueError(f"cannot resume exactly: settings differ from the checkpoint's ({diffs}); "
                              f"rerun with the original values")
+        if any(not isinstance(k, str) for k in state["optimizer"]["state"]):
+            raise ValueError(f"{ckpt}: its optimizer state is numbered, not named by parameter (a checkpoint from "
+                             f"before 2026-12-01); start a new run from its weights: --model-dir {ckpt / 'model'}")
         dcp.set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
                                      options=dcp.StateDictOptions(full_state_dict=True))
         self.sampler.load_state_dict(state["sampler"])

@@ -1,25 +1,16 @@
 """Paged decode attention in Triton: one new query token per sequence against its paged KV cache.
 
-Decode attention is pure memory traffic (each K/V byte is used by only n_rep query heads), so the design
-is about reading the cache once, at full bandwidth, straight from the pool:
-
-* No gather. Each token's page comes from the block table inside the kernel; K/V rows are loaded from
-  the pool directly, D contiguous elements per row, so loads vectorise to 16 bytes.
-* One program per (sequence, KV head, split) serves all n_rep query heads of the group: the q tile is
-  (BLOCK_H >= 16, D) and both products are `tl.dot`s, so each K/V tile is read once per group, not
-  once per query head.
-* BLOCK_N = 64 tokens per iteration (4 pages at page size 16): enough bytes in flight per step, whatever
-  the page size, because a token's page is looked up per token rather than per iteration.
-* Split-K over the sequence fills the GPU when batch * kv_heads alone cannot. Each split reduces its
-  share with an online softmax (fp32, log2 domain) and writes a normalised partial output and its
-  log-sum-exp; a second small kernel merges them. The split count depends only on static shapes
-  (batch, kv heads, block-table width, SM count), never on seq_lens, so one CUDA graph per shape works;
-  the per-split token range is computed in the kernel from seq_lens (data, not shape).
+Decode attention is pure memory traffic, so the design reads the cache once, straight from the pool:
+* No gather: each token's page is looked up in the block table inside the kernel, and K/V rows load as
+  D contiguous elements (16-byte vector loads).
+* One program per (sequence, KV head, split) serves all n_rep query heads of the group with `tl.dot`s,
+  so each K/V tile is read once per group.
+* Split-K over the sequence fills the GPU when batch * kv_heads cannot: each split runs an online softmax
+  (fp32, log2 domain) and writes a normalised partial output and its log-sum-exp; a second kernel merges
+  them. The split count depends on static shapes only, never on seq_lens, so one CUDA graph per shape works.
 * seq_len 0 (padded CUDA-graph slots) gives an all-zero output and touches no page.
 
-Registered as `torch.ops.minigrpo.paged_decode_attention` through `torch.library.triton_op`, so
-torch.compile(fullgraph=True) traces the kernels (no graph break, no copy of the pool). With
-TRITON_INTERPRET=1 the same kernels run on CPU tensors through Triton's interpreter (the CPU tests).
+Registered through `torch.library.triton_op`, so torch.compile(fullgraph=True) traces it with no graph break.
 
 Shape legend: B sequences, Hq query heads, Hkv KV heads, D head dim, P pages in the pool, S tokens per
 page, M block-table width (pages per sequence), NS splits of the sequence.
@@ -38,13 +29,8 @@ from torch.library import triton_op, wrap_triton
 BLOCK_N = 64                 # tokens per inner-loop step
 MIN_TOKENS_PER_SPLIT = 128   # a split shorter than this costs more in merge traffic than it gains
 MAX_SPLITS = 32
-# Latency is hidden by occupancy rather than deep software pipelining: Triton's pipeliner loads the next
-# block's page ids early but keeps one K/V buffer, so each block waits a memory latency. At D = 64 a
-# program takes ~58 registers/thread and ~20 KiB of shared memory, so ~8 fit on an SM. (A hand
-# double-buffered loop keeps two K/V tiles in registers, ~128 per thread, so only 4 fit; it is slower.)
-# A split adds the merge kernel and its fp32 partials, which pays only while the GPU is underfilled:
-# 64 sequences x 2 KV heads (1 program per SM) gain from 4 splits, 256 x 2 (3.9 per SM) lose from 2.
-# So split until there are 3 per SM (`bench/attention.py --sweep` times the alternatives).
+# Splits pay (merge kernel, fp32 partials) only while the GPU is underfilled: split until there are
+# 3 programs per SM (`bench/attention.py --sweep`; the measurements are in bench/NOTES.md).
 PROGRAMS_PER_SM = 3
 LOG2E = 1.4426950408889634
 

@@ -1,16 +1,12 @@
-"""The inference side of the model: packed bf16 weights, batched prefill, and the decode step.
+"""The inference side of the model: packed weights, batched prefill, and the decode step.
 
-The engine's weights are laid out for inference: q/k/v fused into one matmul and gate/up into another,
-stacked over layers. `load_from` shares them with the trainer's policy when its parameters have the
-engine's dtype and device (`--weights bf16` on CUDA): each parameter becomes a view of the slice that
-holds it, so the optimizer updates the engine in place and there is nothing to copy or sync. Otherwise
-(fp32 master weights, sharded parameters) it copies and casts after each update. The buffers never move,
-so captured CUDA graphs, which hold buffer addresses, stay valid.
+Weights are laid out for inference: q/k/v fused into one matmul and gate/up into another, stacked over
+layers. When the policy's parameters have the engine's dtype and device (`--weights bf16` on CUDA),
+`load_from` makes each one a view of the slice that holds it, so the optimizer updates the engine in
+place; otherwise it copies after each update. The buffers never move, so captured CUDA graphs stay valid.
 
-`decode_step` is the unit that gets compiled and captured: embed -> layers (norm, qkv, RoPE + KV store,
-paged attention, o_proj, MLP) -> final norm -> LM head -> sampling -> per-slot bookkeeping. Every input
-has a static shape and every state update is an in-place write into a preallocated buffer, so replaying
-the step N times in a row needs nothing from the host.
+`decode_step` is the unit that gets compiled and captured: static shapes, and every state update an
+in-place write into a preallocated buffer, so it can replay N times in a row with nothing from the host.
 
 Shape legend: B batch slots, T prompt length, C hidden, H query heads, K kv heads, D head dim, F MLP width,
 V vocabulary, L layers, M block-table width, S page size, W output width (max_seq_len + 1; the last column
@@ -33,8 +29,7 @@ from minigrpo.model.sampling import SAMPLE_CHUNK, SamplingParams, sample
 
 
 class DecodeModel(nn.Module):
-    """Inference weights (buffers, not parameters: the engine never differentiates them; a policy sharing
-    them holds its own Parameters on the same memory)."""
+    """Inference weights, as buffers: the engine never differentiates them."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int):
         super().__init__()
@@ -63,9 +58,7 @@ class DecodeModel(nn.Module):
     @torch.no_grad()
     def load_from(self, model: Qwen2ForCausalLM, share: bool = True) -> None:
         """Take the policy's weights: shared where possible (module doc), else copied (and cast), in place.
-
-        A parameter already shared is skipped, so once shared this costs a data-pointer check per parameter;
-        one replaced since (assigned, moved, or shared with another engine) is copied in and shared again."""
+        A parameter already shared is skipped; one replaced since is copied in and shared again."""
         assert model.config == self.cfg, "policy and engine were built for different configs"
         pairs = self._views(model)
         share = share and all(type(p.data) is torch.Tensor and (p.dtype, p.device) == (v.dtype, v.device)
@@ -104,9 +97,7 @@ class DecodeModel(nn.Module):
         """Run right-padded prompts, write their K/V at `slots`, return each prompt's last-token logits.
 
         ids (B, T), lens (B,), slots (B, T) flat cache slots (page * S + offset; pads point at scratch).
-        Right padding keeps positions 0..len-1 natural, and causal attention never lets a real token see a
-        pad that follows it, so no mask is needed.
-        """
+        Right padding needs no mask: causal attention never lets a real token see a pad after it."""
         cfg = self.cfg
         B, T = ids.shape
         H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -156,8 +147,8 @@ SAMPLERS = ("torch", "triton")
 
 
 def sample_tokens(logits, params: SamplingParams, seed, ctr, sampler: str):
-    """The reference sampler, or for plain temperature sampling optionally the fused Triton kernel (the
-    same draw, one reduction pass over the logits). -> tokens (B,), log-probs (B,)."""
+    """The reference sampler, or for plain temperature sampling the fused Triton kernel (the same draw).
+    -> tokens (B,), log-probs (B,)."""
     if sampler == "triton" and not params.greedy and params.top_k == 0 and params.top_p == 1.0:
         return torch.ops.minigrpo.fused_sample(logits, seed, ctr, params.temperature, SAMPLE_CHUNK)
     return sample(logits, params, seed, ctr)

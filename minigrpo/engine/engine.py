@@ -4,21 +4,18 @@
     engine.load_weights(policy)                       # after every optimizer step (free when shared)
     rollout = engine.generate(prompts, samples_per_prompt=8, max_new_tokens=256, params=..., seeds=...)
 
-How a rollout runs:
+A rollout runs in rounds:
 1. Admission: a prompt group enters when its worst-case pages fit the KV budget (shared full prompt pages
-   + G private tails); groups that do not fit wait until finished sequences return pages. Nothing is
-   ever evicted, so no work is lost; a group that can never fit is an error naming the budget.
-2. Prefill: each admitted prompt runs once; its K/V go straight into pages. The G samples share the full
-   pages (reference count G); the partial last page is copied into each sample's first private page.
-3. Decode: `decode_step` over a fixed-size bucket of slots, `sync_every` times in a row with no host
-   involvement: stop ids, stop token sequences and token budgets are tracked by on-device masks.
-4. Sync: the host reads the done mask once, returns finished sequences' pages, and compacts the
-   survivors to the front, so the next steps run at the smallest bucket that holds them. It reads the
-   mask as of the round's next-to-last step while the last step runs, so the GPU never waits on the
-   host; finished rows are gathered on the device and read once, when the rollout ends.
+   + G private tails); others wait for finished sequences' pages. Nothing is evicted.
+2. Prefill: each admitted prompt runs once; its G samples share the full pages, and each gets a copy of
+   the partial last page.
+3. Decode: `sync_every` steps over a fixed-size bucket of slots, with no host involvement: stops and
+   token budgets are tracked by on-device masks.
+4. Sync: the host reads the done mask (one step stale, so the GPU never waits), returns finished
+   sequences' pages and compacts the survivors to the front, so the next round runs at the smallest
+   bucket that holds them.
 
-Graph boundaries are configuration, not accident: `EngineConfig` sets them (`compile`, `cuda_graphs`,
-`sample_in_graph`), and `minigrpo/engine/runner.py` holds every place where they are drawn.
+`EngineConfig` sets the graph boundaries; `minigrpo/engine/runner.py` is where they are drawn.
 
 Shape legend: N sequences in a rollout (prompts x G), B bucket (batch slots), M block-table width, W output width.
 """

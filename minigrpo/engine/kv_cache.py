@@ -1,17 +1,10 @@
-"""Paged KV cache: preallocated K and V pools (one (P, S, K, D) tensor per layer) and a page allocator.
+"""Paged KV cache: per-layer K and V pools of fixed-size pages, and a host-side page allocator.
 
-Memory is cut into pages of `page_size` token slots. A sequence owns a list of pages (its block table);
-attention reads its keys and values through that list, so sequences need no contiguous memory and
-pages can be shared. GRPO samples G completions of every prompt: the G sequences of a group share the
-prompt's full pages, counted by reference, and each owns only its copy of the prompt's partial last page
-plus the pages it generates into. A page returns to the free list when its last reference is released.
-
-Page 0 is never handed out: it is the scratch page that padded batch slots write into and that unused
-block-table entries point at, so a static-shape decode step never needs a branch for "no sequence here".
-A page id means the same page in every layer's pool.
-
-The allocator lives on the host (plain lists): pages are handed out when sequences are admitted, between
-decode steps, never inside the captured step.
+A sequence owns a list of pages (its block table), so it needs no contiguous memory and pages can be
+shared: the G samples of a prompt share its full pages, counted by reference, and each owns a copy of
+the partial last page plus the pages it generates into. Page 0 is never handed out: padded batch slots
+write into it and unused block-table entries point at it, so the static-shape decode step needs no
+branch for "no sequence here". Pages are handed out between decode steps, never inside the step.
 
 Shape legend: L layers, P pages, S page size (token slots per page), K kv heads, D head dim, N tokens.
 """

@@ -1,12 +1,11 @@
 """Where the engine's graph boundaries live: the per-slot state the decode step reads and writes, and the
 runner that turns the step and the prefill into callables under the engine's graph config.
 
-`compile` "step" wraps the whole decode step in torch.compile(fullgraph=True) (a graph break is an error,
-not a silent fallback); `cuda_graphs` captures that step, compiled or not, once per (bucket, sampling
-params), and the eager prefill once per padded shape; `sample_in_graph` puts sampling and the slot
-bookkeeping inside the step or runs them eagerly after it. Every captured graph shares one memory pool:
-they never run concurrently, and none keeps an output that another's replay could overwrite before it
-is read (the step writes into the slot state, which lives outside the pool; logits are consumed at once).
+`compile="step"` wraps the decode step in torch.compile(fullgraph=True); `cuda_graphs` captures that
+step, compiled or not, once per (bucket, sampling params), and the eager prefill once per padded shape;
+`sample_in_graph` puts sampling and the slot bookkeeping inside the step or runs them eagerly after it.
+All captured graphs share one memory pool: they never run concurrently, and no output of one is read
+after another replays (the step writes into the slot state, outside the pool; logits are read at once).
 
 Shape legend: B bucket (batch slots), M block-table width, W output width (max_seq_len + 1), n prompts
 in a prefill, T their padded length, V vocabulary.

@@ -1,10 +1,8 @@
 """Load and save Hugging Face model directories (safetensors), with errors that name the problem.
 
-Loading builds the model on the meta device and assigns tensors read straight onto the target device in
-the target dtype, so a bf16 GPU model never exists as an fp32 copy in host memory. Saving writes a
-directory transformers loads as-is (`Qwen2ForCausalLM.from_pretrained`), atomically: everything goes
-into a temporary sibling directory that is renamed into place only when complete, so a crash mid-save
-never leaves a half-written checkpoint where a good one was.
+Loading builds the model on the meta device and reads each tensor straight onto the target device and
+dtype, so a bf16 GPU model never exists as an fp32 host copy. Saving writes a directory transformers
+loads as-is, atomically: into a temporary sibling renamed into place only when complete.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Reference generation: the simplest correct decoder, the yardstick for the fast rollout engine.
 
-No KV cache: every step runs the full forward over the left-padded batch and takes the last position's
-logits. That is quadratic in length and slow, and that is the point: there is no cache, paging or graph
-capture in which a bug could hide. The engine must reproduce its greedy tokens exactly (fp32, CPU).
-Sampling goes through the same `minigrpo.model.sampling.sample` as the engine, with the same per-sequence seeds,
-so sampled rollouts can be compared too.
+No KV cache: every step runs the full forward over the left-padded batch, so no cache, paging or graph
+capture can hide a bug. The engine must reproduce its greedy tokens exactly (fp32, CPU), and with the
+same `sample` and per-sequence seeds, its sampled ones too.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Tasks: the prompts to train or evaluate on, what ends a completion, and its verifiable reward.
 
-The trainer sees a task only through this small interface, so question/answer data under any template
-(`QATask`) and the offline synthetic tasks (`minigrpo.tasks.synthetic`) are interchangeable:
+The trainer sees a task only through this interface, so question/answer data under any template
+(`QATask`) and the synthetic tasks (`minigrpo.tasks.synthetic`) are interchangeable:
 
     len(task)                                  number of examples
     task.prompt(i) -> list[int]                the prompt's token ids (template already applied)
     task.stops -> Stops                        stop token ids for the backend, stop strings cut on the host
-    task.score(i, completion_ids) -> (reward, correct)
+    task.score(i, completion_ids) -> (reward, correct)   correct: the exact-answer flag behind accuracy
     task.describe(i) -> dict                   what a human needs to read a logged sample (question, answer)
-
-`correct` is the exact-answer flag behind the accuracy metric; the reward may give partial credit.
-
-`prompt_budget` checks, at load time, that every prompt fits the model with its completion budget.
 """
 
 from __future__ import annotations

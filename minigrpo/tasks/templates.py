@@ -1,25 +1,21 @@
 """Prompt templates (`--template`), and the stops that end a completion.
 
-A template says how a question becomes prompt ids (a chat or plain text), which strings end a
-completion besides the tokenizer's stop tokens, and where the answer is read from:
+A template says how a question becomes prompt ids, which strings end a completion besides the
+tokenizer's stop tokens, and where the answer is read from:
 
     chat       the Qwen2.5 chat template, one user turn: the question and the Qwen2.5-Math instruction
-    r1         DeepSeek-R1-Zero's plain-text template, as the Dr. GRPO paper's code (understand-r1-zero,
-               on oat) trains base models with it: reasoning in <think>, the answer in <answer>, and the
-               completion ends at "</answer>"; the answer counts only in the paper's strict format
+    r1         DeepSeek-R1-Zero's plain-text template as the Dr. GRPO paper's code (understand-r1-zero)
+               uses it: reasoning in <think>, the answer in <answer>, ending at "</answer>"
     qwen-math  the chat template with the Qwen2.5-Math chain-of-thought system prompt, answer in \\boxed{}
     none       the bare question, as plain text
 
 The template strings are the published ones, character for character (tests/test_templates.py).
 
-Stop strings. The rollout backends stop in their decode loop on stop token ids only. A string such as
-"</answer>" is several tokens, tokenised differently by context ("</" or ".</", ">" or ">\\n"), so no
-token id catches it: `Stops.cut` finds it in the decoded text, on the host, once per rollout, and drops
-the tokens after the one that completes it. Both backends decode the same tokens, so they return the same
-cut completions; the dropped tokens get no reward and no loss. So that a completion does not decode on to
-the budget, the engine also stops in its decode loop on the string's common tokenisations
-(`stop_sequences`): an early exit, exact because each one's text holds the string, so the cut on the host
-lands on that same last token. A rarer tokenisation decodes on, and is cut all the same.
+Stop strings: a string such as "</answer>" tokenises differently by context, so no token id catches it.
+`Stops.cut` finds it in the decoded text on the host and drops the tokens after the one completing it.
+So that a completion does not decode on to the budget, the engine also stops on the string's common
+tokenisations (`stop_sequences`): each one's text holds the string, so the host's cut lands on the same
+token. A rarer tokenisation decodes on and is cut all the same.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""Rule-based rewards: pull the final answer out of a completion and compare it to the reference (`reward`'s
-modes: numeric, the GSM8K check below; exact; boxed, symbolic with math-verify when installed).
+"""Rule-based rewards: pull the final answer out of a completion and compare it to the reference.
 
-The reward is the only signal RL gets, so it has to be boring and robust:
-  * it never raises and never hangs on any string the policy can emit (every regex here is linear
-    time: no nested quantifiers; inputs are capped before any scanning);
-  * it compares *numbers*, not strings, so "$1,000.00", "1000" and "\\boxed{1000 \\text{ dollars}}" agree;
-  * it is strict about ambiguity: a final answer holding two numbers ("5 or 6") is wrong, not lucky.
+The reward is RL's only signal, so it is boring and robust: it never raises or hangs on any string the
+policy can emit (linear-time regexes, capped inputs); it compares numbers, not strings ("$1,000.00",
+"1000" and "\\boxed{1000 \\text{ dollars}}" agree); an ambiguous answer ("5 or 6") is wrong.
 
-Answer priority (first one found wins):
-  1. the last non-empty ``\\boxed{...}`` (nested braces handled by one linear scan);
-  2. the last ``#### N`` (the GSM8K reference format);
-  3. the last number anywhere in the text.
+The final answer is the last non-empty \\boxed{...}, else the last "#### N" (GSM8K's format), else the
+last number in the text.
 """
 
 from __future__ import annotations

@@ -129,12 +129,9 @@ class Engine:
         return Rollout(tokens, logprobs)
 
     def _run_round(self, B: int, n: int, params: SamplingParams) -> list[bool]:
-        """`sync_every` decode steps on bucket B -> the done mask of the first n slots, one step stale.
-
-        The mask is copied after the next-to-last step and read while the last step runs: the GPU never
-        idles on this, the one host sync per round. A slot that finishes in the last step is collected
-        a round later; until then it is a done slot, which stores nothing. Even when every slot is already
-        done (first tokens were stops) the steps are harmless; checking first would cost another sync."""
+        """`sync_every` decode steps on bucket B -> the done mask of the first n slots, one step stale: it is
+        copied after the next-to-last step and read while the last runs, so the GPU never idles on this one
+        host sync per round. A slot finishing in the last step is collected a round later."""
         st = self.state
         self.runner.run(B, params, self.cfg.sync_every - 1)
         st.done_host[:n].copy_(st.done[:n], non_blocking=True)

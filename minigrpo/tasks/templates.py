@@ -114,18 +114,16 @@ class Template:
         return tokenizer.encode_chat(system + [{"role": "user", "content": text}])
 
     def stops(self, tokenizer) -> Stops:
-        """The tokenizer's stop tokens (a chat's end of turn too: a base model's tokenizer may not list it),
-        and this template's stop strings."""
+        """The tokenizer's stop tokens (and a chat's end of turn, which a base model may not list), and this
+        template's stop strings."""
         end_of_turn = tokenizer.encode(IM_END) if self.chat else []
         ids = tuple(tokenizer.stop_ids) + (tuple(end_of_turn) if len(end_of_turn) == 1 else ())
         sequences = tuple(seq for s in self.stop for seq in stop_sequences(tokenizer, s))
         return Stops(tuple(dict.fromkeys(ids)), self.stop, tokenizer.decode, sequences)
 
     def answer(self, completion: str) -> str | None:
-        """The part of the completion that holds the answer; None if the template's format is not met.
-
-        With a tag, the paper's strict format: "</think> <answer>" and a closing tag must appear, and the
-        answer is the text after the last opening tag (understand-r1-zero's `answer_tag_reward_fn`)."""
+        """The part of the completion that holds the answer; None if the template's format is not met
+        (with a tag, understand-r1-zero's strict `answer_tag_reward_fn` format)."""
         if self.answer_tag is None:
             return completion
         open_, close = f"<{self.answer_tag}>", f"</{self.answer_tag}>"

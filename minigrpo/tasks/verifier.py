@@ -43,10 +43,7 @@ _OPERATOR_LEFTOVER = re.compile(r"[-+*/^×÷\\]")
 
 def last_boxed(text: str) -> str | None:
     """Content of the last-opened, properly closed, non-empty ``\\boxed{...}``; None if there is none.
-
-    One left-to-right pass with a stack of open braces (linear time even for ``\\boxed{`` * 1000).
-    "Last" is by opening position, so for nested boxes the innermost wins: ``\\boxed{\\boxed{3}}`` -> "3".
-    """
+    One linear pass with a stack of open braces; for nested boxes the innermost wins."""
     stack: list[int | None] = []  # per open brace: content start if it opened a \boxed, else None
     best_start, best = -1, None
     for m in _BOXED_OR_BRACE.finditer(text):
@@ -71,28 +68,22 @@ def extract_answer(text: str) -> str | None:
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
-    hashes = [m.group(1).strip() for m in _HASH_ANSWER.finditer(text)]
-    hashes = [h for h in hashes if h]
+    hashes = [h for m in _HASH_ANSWER.finditer(text) if (h := m.group(1).strip())]
     if hashes:
         return hashes[-1]
-    last = None
-    for last in _NUMBER.finditer(text):
-        pass
-    return last.group() if last is not None else None
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
 
 
 def _parse_plain(num: str) -> float | None:
     """float() of one `_NUMBER` match: commas dropped, a/b divided; None if not finite."""
-    parts = [p.strip().replace(",", "") for p in num.split("/")]
     try:
-        values = [float(p) for p in parts]
+        values = [float(p.strip().replace(",", "")) for p in num.split("/")]
     except ValueError:  # e.g. a lone "." cannot come from _NUMBER, but stay total
         return None
-    value = values[0]
-    if len(values) == 2:
-        if values[1] == 0:
-            return None
-        value = values[0] / values[1]
+    if len(values) == 2 and values[1] == 0:
+        return None
+    value = values[0] / values[1] if len(values) == 2 else values[0]
     return value if math.isfinite(value) else None
 
 
@@ -159,15 +150,13 @@ REWARD_MODES = ("numeric", "exact", "boxed")
 
 
 def reward(answer_text: str | None, ground_truth: str, mode: str = "numeric", delimited: bool = False) -> float:
-    """Binary outcome reward, no format bonus: 1.0 if the answer matches the ground truth, else 0.0.
+    """1.0 if the answer matches the ground truth, else 0.0 (no format bonus).
 
-    `answer_text` is the part of a completion that holds the answer (a template's choice; None when its
-    format is not met); `delimited` says it is the answer alone (an <answer> tag's content). Modes:
+    `answer_text`: the part of a completion holding the answer (None: the template's format is not met);
+    `delimited`: it is the answer alone (an <answer> tag's content). Modes:
       numeric  `is_correct`: the last \\boxed{}, "#### N" or number, compared as a number (GSM8K)
-      exact    the last \\boxed{} content (a delimited answer without one: all of it) equals the truth as
-               text, after `_plain` normalisation
-      boxed    that same answer, equal as text, as a number, or symbolically by math-verify when installed
-    """
+      exact    the last \\boxed{} (delimited without one: all of it) equals the truth as `_plain` text
+      boxed    that answer, equal as text, as a number, or symbolically by math-verify when installed"""
     if not isinstance(answer_text, str):
         return 0.0
     if mode == "numeric":

@@ -159,9 +159,8 @@ ANY_TOKEN, NO_STOP = -1, -3  # in a row of `stops`: pads a shorter sequence on t
 
 def ends_with_stop(out_tok, ctr, stops):
     """(B,) bool: whether each slot's first ctr output tokens end with one of the stop sequences.
-
-    out_tok (B, W), ctr (B,), stops (n_stop, L) int64: token sequences right-aligned and padded on the
-    left with ANY_TOKEN (a stop id is ANY_TOKEN x (L-1) then the id); unused rows hold NO_STOP."""
+    out_tok (B, W), ctr (B,), stops (n_stop, L) int64: sequences right-aligned, left-padded with ANY_TOKEN
+    (a stop id is ANY_TOKEN x (L-1) then the id); unused rows hold NO_STOP."""
     L = stops.shape[1]
     idx = ctr[:, None] - L + torch.arange(L, device=ctr.device)                      # (B, L) the last L columns
     last = out_tok.gather(1, idx.clamp(min=0)).masked_fill(idx < 0, -2)              # before the output: no token

@@ -30,8 +30,7 @@ class KVCache:
         if num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is scratch), got {num_pages}")
         shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-        # One pool per layer, each its own allocation: the decode step mutates whole graph inputs, never views
-        # of a larger tensor, so torch.compile can write in place rather than copy a functionalised base.
+        # One allocation per layer: torch.compile then writes the step's graph inputs in place, not via copies.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]  # L x (P, S, K, D)
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]  # L x (P, S, K, D)
         self.page_size = page_size

@@ -52,10 +52,7 @@ SAMPLE_CHUNK = 4096      # indices per chunk of the two-level draw; a power of t
 
 def mix31(x: torch.Tensor) -> torch.Tensor:
     """An integer hash on int64 tensors holding values in [0, 2^31) (lowbias32's shape, 31-bit constants).
-
-    Every product stays below 2^62 and every literal fits in int32, so the arithmetic is exact and the
-    same in eager PyTorch and in Inductor's C++ and Triton code, whatever index width Inductor picks
-    (signed overflow would be undefined behaviour there, and Triton rejects wider literals in int32 math)."""
+    Products stay below 2^62 and literals fit int32, so eager, Inductor C++ and Triton all compute it exactly."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & M31
     x = x ^ (x >> 15)

@@ -20,6 +20,7 @@ token. A rarer tokenisation decodes on and is cut all the same.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -73,11 +74,8 @@ class Stops:
         tokens = list(tokens)
         n = next((i + 1 for i, t in enumerate(tokens) if t in self.ids), len(tokens))
         if self.strings and self._holds_string(tokens[:n]):
-            lo, hi = 1, n  # the shortest prefix whose text holds a stop string: its last token completes one
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if self._holds_string(tokens[:mid]) else (mid + 1, hi)
-            return lo, True
+            # The shortest prefix whose text holds a stop string: its last token completes one.
+            return 1 + bisect.bisect_left(range(1, n), True, key=lambda k: self._holds_string(tokens[:k])), True
         return n, n > 0 and tokens[n - 1] in self.ids
 
     def _holds_string(self, tokens: list[int]) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from minigrpo.model.qwen2 import Qwen2ForCausalLM
 from minigrpo.model.sampling import GREEDY, SamplingParams, sample
@@ -26,12 +27,9 @@ def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     """Token lists -> (ids, attention_mask), both (B, T), padded on the left."""
     if not seqs or any(len(s) == 0 for s in seqs):
         raise ValueError("every prompt must hold at least one token")
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), T), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, T - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, T - len(s):] = 1
+    rows = [torch.tensor(s, dtype=torch.long) for s in seqs]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id, padding_side="left")
+    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left")
     return ids.to(device), mask.to(device)
 
 

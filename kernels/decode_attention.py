@@ -113,10 +113,6 @@ def _merge_splits_kernel(o_part_ptr, lse_ptr, out_ptr,
     tl.store(out_ptr + bh * D + d, out)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Host side: contract checks, static launch configuration, the registered op.
-# ----------------------------------------------------------------------------------------------------
-
 def check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens) -> None:
     """Assert the paged-KV decode contract on metadata only (no device sync; safe under torch.compile)."""
     if q.dim() != 3:
@@ -158,11 +154,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int) -> int:
-    """Splits of each sequence so that batch * kv_heads * splits programs fill the GPU.
-
-    Static inputs only (max_tokens = block-table width * page size), so a CUDA graph captured for one
-    batch shape stays valid for any seq_lens.
-    """
+    """Splits of each sequence so that batch * kv_heads * splits programs fill the GPU. Static inputs only
+    (max_tokens = block-table width * page size), so a captured CUDA graph stays valid for any seq_lens."""
     want = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch * kv_heads)
     cap = max(1, max_tokens // MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, cap, MAX_SPLITS))
@@ -178,15 +171,13 @@ class LaunchConfig:
 
 
 def default_config(batch: int, kv_heads: int, max_tokens: int, head_dim: int, device: torch.device):
-    # Compiled for sm_90 this is ~20 KiB of shared memory per program at D = 64 and ~38 KiB at D = 128
-    # (one 64-token K + V tile buffered either way); fewer stages keep D = 128 from growing further.
+    # Fewer stages at D = 128 keep the shared memory per program (~38 KiB on sm_90) from growing further.
     return LaunchConfig(num_splits=choose_num_splits(batch, kv_heads, max_tokens, _num_sms(device)),
                         num_stages=2 if head_dim >= 128 else 3)
 
 
-# TRITON_INTERPRET=1 turns every @triton.jit into a CPU-interpreted function, so the kernels accept CPU
-# tensors (the tests without a GPU). Triton's own library (tl.max, tl.cdiv, ...) is built when triton is
-# first imported, so the flag only works if it was set before that; otherwise both checks disagree.
+# TRITON_INTERPRET=1 runs @triton.jit functions on CPU tensors (the tests), if it was set before triton's
+# first import (which builds tl.max and the rest); otherwise the two checks disagree.
 INTERPRETED = not isinstance(_paged_decode_kernel, triton.runtime.JITFunction) and \
     not isinstance(tl.max, triton.runtime.JITFunction)
 
@@ -244,10 +235,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int = 0) -> torch.Tensor:
     """softmax(q k^T * scale) v over each sequence's first seq_lens[b] cached tokens. -> (B, Hq, D), q's dtype.
-
-    q (B, Hq, D); k_pool, v_pool (P, S, Hkv, D) contiguous; block_table (B, M) int32; seq_lens (B,) int32.
-    num_splits: 0 picks it from static shapes; >= 1 forces it (1 = single pass, no merge kernel).
-    """
+    Inputs as in `check_decode_inputs`. num_splits: 0 picks it from static shapes, >= 1 forces it."""
     check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens)
     if num_splits < 0:
         raise ValueError(f"num_splits must be 0 (auto) or positive, got {num_splits}")
@@ -260,8 +248,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 
 if INTERPRETED:
-    # The interpreter needs real data, so Dynamo gets a shape-only fake instead of tracing the kernel
-    # launches (compiled kernels keep triton_op's default: the body is traced).
+    # The interpreter needs real data, so Dynamo gets a shape-only fake instead of tracing the launches.
     @paged_decode_attention.register_fake
     def _(q, k_pool, v_pool, block_table, seq_lens, scale, num_splits=0):
         return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -48,8 +48,7 @@ def _load_x(row, idx, V, temperature, UNIT_T: tl.constexpr):
     # x = logits / T in fp32 at indices idx, -inf past V.
     x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
     if not UNIT_T:
-        # .to: under torch.compile the Python-float temperature can arrive as fp64, which would make x fp64.
-        # Division, not a reciprocal: the reference's rounding.
+        # Division, not a reciprocal: the reference's rounding. .to: torch.compile may pass T as fp64.
         x = (x / temperature).to(tl.float32)
     return x
 
@@ -100,9 +99,7 @@ def _chunk_draw_kernel(logits_ptr, seeds_ptr, counters_ptr, m_ptr, s_ptr, tok_pt
 def fused_sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
                  temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens (B,) int64 drawn from softmax(logits / temperature) and their log-probs (B,) fp32.
-
-    logits (B, V) fp32/bf16/fp16 with unit stride in V; seeds, counters (B,) int64 on the same device;
-    chunk: the vocabulary chunk of the two-level draw, a power of two (the caller's chunk)."""
+    logits (B, V) with unit stride in V; seeds, counters (B,) int64; chunk: the draw's chunk, a power of two."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be (batch, vocab) with contiguous rows, got shape "
                          f"{tuple(logits.shape)} strides {logits.stride()}")

@@ -79,10 +79,6 @@ def _sdpa_decode(q, k_pool, v_pool, block_table, seq_lens, scale):
     return out.reshape(q.shape)
 
 
-# ----------------------------------------------------------------------------------------------------
-# RoPE on the new token + store of its K/V into the cache.
-# ----------------------------------------------------------------------------------------------------
-
 def rope_store(backend: str, q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
     """Rotate q and k at `positions`, store rotated k and v at `slots`; returns rotated q (B, Hq, D).
     The triton backend fuses it into one kernel; eager and sdpa use `rope_store_torch`."""
@@ -93,11 +89,9 @@ def rope_store(backend: str, q, k, v, k_pool, v_pool, positions, slots, cos, sin
 
 
 def rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
-    """Plain-PyTorch rope + cache store, numerically identical to the model's `apply_rope`.
-
-    q (B, Hq, D), k/v (B, Hkv, D); positions, slots (B,) int32 (slot = page * S + offset, < 0: skip);
-    cos/sin (max_pos, D) fp32 tables. Mutates k_pool and v_pool (P, S, Hkv, D).
-    """
+    """Plain-PyTorch rope + cache store, numerically identical to the model's `apply_rope`. q (B, Hq, D),
+    k/v (B, Hkv, D); positions, slots (B,) int32 (slot = page * S + offset, < 0: skip); cos/sin (max_pos, D)
+    fp32 tables. Mutates k_pool and v_pool (P, S, Hkv, D)."""
     check_rope_store_inputs(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
     # As the model does: fp32 tables cast to the activation dtype, then the rotation in that dtype.
     c = cos[positions][:, None, :].to(q.dtype)                                  # (B, 1, D)
@@ -108,12 +102,9 @@ def rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> tor
 
 
 def _store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """pool.view(P*S, Hkv, D)[slots[b]] = rows[b] wherever slots[b] >= 0, with static shapes.
-
-    A skipped row cannot just drop out (that would be a data-dependent shape), so it re-writes the first
-    real row's slot with that row's own data: duplicate indices then carry identical values, and the
-    scatter stays deterministic. With no real row at all, every row re-writes slot 0 with its current value.
-    """
+    """pool.view(P*S, Hkv, D)[slots[b]] = rows[b] wherever slots[b] >= 0, with static shapes: a skipped row
+    re-writes the first real row's slot with that row's data (duplicate indices carry identical values, so
+    the scatter is deterministic), or with no real row, slot 0 with its current value."""
     flat = pool.view(-1, *pool.shape[2:])                                       # (P*S, Hkv, D)
     real = slots >= 0                                                           # (B,)
     first_real = real.int().argmax()                                            # 0 if none is real

@@ -37,19 +37,12 @@ class DecodeModel(nn.Module):
         L, C, H, K, D, Fw, V = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
                                 cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
         self.qkv_sizes = (H * D, K * D, K * D)
-
-        def buf(*shape):
-            return torch.empty(shape, dtype=dtype, device=device)
-        self.register_buffer("embed", buf(V, C))
-        self.register_buffer("ln1", buf(L, C))
-        self.register_buffer("w_qkv", buf(L, (H + 2 * K) * D, C))
-        self.register_buffer("b_qkv", buf(L, (H + 2 * K) * D))
-        self.register_buffer("w_o", buf(L, C, H * D))
-        self.register_buffer("ln2", buf(L, C))
-        self.register_buffer("w_gate_up", buf(L, 2 * Fw, C))
-        self.register_buffer("w_down", buf(L, C, Fw))
-        self.register_buffer("norm", buf(C))
-        self.register_buffer("lm_head", self.embed if cfg.tie_word_embeddings else buf(V, C))
+        shapes = dict(embed=(V, C), ln1=(L, C), w_qkv=(L, (H + 2 * K) * D, C), b_qkv=(L, (H + 2 * K) * D),
+                      w_o=(L, C, H * D), ln2=(L, C), w_gate_up=(L, 2 * Fw, C), w_down=(L, C, Fw), norm=(C,),
+                      lm_head=(V, C))
+        for name, shape in shapes.items():
+            tied = name == "lm_head" and cfg.tie_word_embeddings
+            self.register_buffer(name, self.embed if tied else torch.empty(shape, dtype=dtype, device=device))
         # RoPE tables in fp32, cast at use: the same values the reference model computes per call.
         cos, sin = rope_cos_sin(torch.arange(max_positions, device=device), D, cfg.rope_theta, torch.float32)
         self.register_buffer("cos", cos)  # (max_positions, D)
@@ -95,7 +88,6 @@ class DecodeModel(nn.Module):
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
                 k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> torch.Tensor:
         """Run right-padded prompts, write their K/V at `slots`, return each prompt's last-token logits.
-
         ids (B, T), lens (B,), slots (B, T) flat cache slots (page * S + offset; pads point at scratch).
         Right padding needs no mask: causal attention never lets a real token see a pad after it."""
         cfg = self.cfg
@@ -169,11 +161,9 @@ def ends_with_stop(out_tok, ctr, stops):
 
 def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp,
             sampler: str = "torch") -> None:
-    """Sample each live slot's next token and update the slot state in place (no host sync).
-
-    tok/pos/ctr/seed/limit (B,) int64, done (B,) bool, stops (n_stop, L) int64 (`ends_with_stop`),
-    out_tok/out_logp (B, W). A finished slot keeps its state; its sample goes to the scratch column W-1.
-    """
+    """Sample each live slot's next token and update the slot state in place (no host sync): tok/pos/ctr/
+    seed/limit (B,) int64, done (B,) bool, stops (`ends_with_stop`), out_tok/out_logp (B, W).
+    A finished slot keeps its state; its sample goes to the scratch column W-1."""
     live = ~done
     new_tok, new_logp = sample_tokens(logits, params, seed, ctr, sampler)           # (B,), (B,)
     col = torch.where(live, ctr, out_tok.shape[1] - 1)[:, None]                     # (B, 1)

@@ -91,9 +91,7 @@ class KVCache:
 
 def write_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> None:
-    """Store the K/V of N tokens of one layer at flat slots (page * S + offset).
-
-    k_pool/v_pool (P, S, K, D) contiguous; slots (N,) int64; k/v (N, K, D) in the pool's dtype."""
+    """Store the K/V (N, K, D) of N tokens of one layer at flat slots (N,) = page * S + offset."""
     assert k_pool.is_contiguous() and v_pool.is_contiguous(), "KV pools must be contiguous (P, S, K, D)"
     assert slots.dim() == 1 and k.shape == v.shape == (slots.shape[0], *k_pool.shape[2:]), \
         f"cache write: slots {tuple(slots.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, pool {tuple(k_pool.shape)}"

@@ -38,7 +38,6 @@ def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: 
              params: SamplingParams = GREEDY, stop_ids: tuple[int, ...] = (), pad_id: int = 0,
              seeds: list[int] | None = None) -> Rollout:
     """A completion for each prompt: up to max_new_tokens tokens, ending with the first stop id if one is drawn.
-
     For G samples of a prompt, pass the prompt G times with G different seeds."""
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)                                     # (B, T)

@@ -71,10 +71,8 @@ def load_task(task: str, split: str, tokenizer, *, path=None, template: str = "c
 def prompt_budget(tasks: Sequence[tuple[Task, int]], max_positions: int, max_new_tokens: int,
                   limit: int | None = None) -> int:
     """The prompt budget in tokens: `limit` (--max-prompt-tokens), by default the longest prompt used.
-
-    `tasks` pairs each task with how many of its first examples the run uses. A prompt over the budget,
-    or a budget plus `max_new_tokens` over the model's positions, is an error now: never truncated or
-    dropped silently."""
+    `tasks` pairs each task with how many of its first examples the run uses. A prompt over the budget
+    is an error now, never truncated or dropped silently."""
     room = max_positions - max_new_tokens
     if room < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "

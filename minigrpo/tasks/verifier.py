@@ -89,11 +89,8 @@ def _parse_plain(num: str) -> float | None:
 
 def normalize_number(s: str | None) -> float | None:
     """Parse a final answer into a float, or None if it is not exactly one finite number.
-
-    Accepts: "1,000.50", "$5", "50%", "72.00", "+3", "\u22124", "18 dollars", "x = 5", "3/4",
-    "\\frac{3}{4}", "\\dfrac{3}{4}", "-\\frac{1}{2}", "10 \\text{ cups}", "\\$1{,}000".
-    Rejects (None): "", "nan", "inf", "1e999" (2 numbers), "5 or 6", "2^3", "5\\pi", overlong strings.
-    """
+    Accepts: "1,000.50", "$5", "50%", "+3", "\u22124", "18 dollars", "x = 5", "3/4", "-\\frac{1}{2}",
+    "10 \\text{ cups}", "\\$1{,}000". Rejects: "nan", "inf", "1e999" (2 numbers), "5 or 6", "2^3", "5\\pi"."""
     if not isinstance(s, str) or len(s) > MAX_ANSWER_CHARS:
         return None
     s = s.translate(_UNICODE_MINUS)

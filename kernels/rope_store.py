@@ -1,15 +1,8 @@
-"""Fused RoPE + KV-cache store for the decode step, in Triton.
+"""Fused RoPE + KV-cache store for the decode step, in Triton: one launch instead of ~10 small kernels.
 
-Per new token: rotate q and k by the token's position (Hugging Face Qwen2 convention, non-interleaved:
-x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1)), return the rotated q and write the
-rotated k and the v into the pools at `slot = page * S + offset`. A negative slot (a padded slot of a
-CUDA-graph batch) stores nothing. One launch instead of the ~10 small kernels the PyTorch version costs.
-
-Rounding matches the model's `apply_rope` step by step (tables cast to the activation dtype, each product
-and the sum rounded to it), so decode sees the same q/k bits as the reference forward.
-
-Registered as `torch.ops.minigrpo.rope_store` (mutates k_pool and v_pool in place). With
-TRITON_INTERPRET=1 it runs on CPU tensors, as in `decode_attention.py`.
+Per new token: rotate q and k by the token's position (HF Qwen2's non-interleaved convention, as the
+model's `apply_rope`, rounding step by step as it does), return the rotated q, and write the rotated k and
+the v into the pools at `slot = page * S + offset`; a negative slot (a padded batch slot) stores nothing.
 
 Shape legend: B sequences, Hq query heads, Hkv KV heads, D head dim, P pages, S page size.
 """

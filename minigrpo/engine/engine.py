@@ -4,17 +4,11 @@
     engine.load_weights(policy)                       # after every optimizer step (free when shared)
     rollout = engine.generate(prompts, samples_per_prompt=8, max_new_tokens=256, params=..., seeds=...)
 
-A rollout runs in rounds:
-1. Admission: a prompt group enters when its worst-case pages fit the KV budget (shared full prompt pages
-   + G private tails); others wait for finished sequences' pages. Nothing is evicted.
-2. Prefill: each admitted prompt runs once; its G samples share the full pages, and each gets a copy of
-   the partial last page.
-3. Decode: `sync_every` steps over a fixed-size bucket of slots, with no host involvement: stops and
-   token budgets are tracked by on-device masks.
-4. Sync: the host reads the done mask (one step stale, so the GPU never waits), returns finished
-   sequences' pages and compacts the survivors to the front, so the next round runs at the smallest
-   bucket that holds them.
-
+A rollout runs in rounds. A prompt group is admitted when its worst-case pages fit the KV budget (nothing
+is ever evicted) and prefilled once; its G samples share the full prompt pages. Then `sync_every` decode
+steps run over a fixed-size bucket of slots with no host involvement (stops and budgets are on-device
+masks). At each sync the host reads the done mask (one step stale, so the GPU never waits), returns
+finished sequences' pages and compacts the survivors into the smallest bucket that holds them.
 `EngineConfig` sets the graph boundaries; `minigrpo/engine/runner.py` is where they are drawn.
 
 Shape legend: N sequences in a rollout (prompts x G), B bucket (batch slots), M block-table width, W output width.

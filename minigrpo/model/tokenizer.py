@@ -69,18 +69,15 @@ class Tokenizer:
         try:
             bpe = _BPE.from_file(str(path / "tokenizer.json"))
         except Exception as e:  # the Rust side raises a bare Exception for any parse error
-            raise ValueError(
-                f"{path / 'tokenizer.json'} could not be parsed ({e}); re-download it. {_DOWNLOAD_HINT}"
-            ) from None
+            raise ValueError(f"{path / 'tokenizer.json'} could not be parsed ({e}); re-download it. "
+                             f"{_DOWNLOAD_HINT}") from None
         config = _read_json(path / "tokenizer_config.json")
         _check_added_tokens_agree(bpe, config, path)
         template = config.get("chat_template")
         if isinstance(template, str) and hashlib.sha256(template.encode()).hexdigest() != _QWEN25_TEMPLATE_SHA256:
-            warnings.warn(
-                f"{path / 'tokenizer_config.json'} has a chat template different from Qwen2.5's; "
-                "render_chat/encode_chat still produce Qwen2.5-formatted prompts, which this model may not expect",
-                stacklevel=2,
-            )
+            warnings.warn(f"{path / 'tokenizer_config.json'} has a chat template different from Qwen2.5's; "
+                          "render_chat/encode_chat still produce Qwen2.5-formatted prompts, which this model may "
+                          "not expect", stacklevel=2)
         gen_path = path / "generation_config.json"
         gen = _read_json(gen_path) if gen_path.is_file() else {}
 
@@ -95,10 +92,9 @@ class Tokenizer:
         stop = [eos_id, id_of(IM_END), id_of(ENDOFTEXT)] if stop is None else stop
         stop_ids = list(dict.fromkeys(i for i in ([stop] if isinstance(stop, int) else stop) if i is not None))
         if not stop_ids:
-            raise ValueError(
-                f"no stop token found in {path}: tokenizer_config.json has no eos_token, there is no "
-                f"generation_config.json eos_token_id, and neither {IM_END} nor {ENDOFTEXT} is in the vocabulary"
-            )
+            raise ValueError(f"no stop token found in {path}: tokenizer_config.json has no eos_token, there is no "
+                             f"generation_config.json eos_token_id, and neither {IM_END} nor {ENDOFTEXT} is in "
+                             "the vocabulary")
         eos_id = stop_ids[0] if eos_id is None else eos_id
         # Pad only fills positions that are masked out, so any valid id works; prefer the declared one.
         pad_id = next((i for i in (id_of(config.get("pad_token")), gen.get("pad_token_id")) if i is not None), eos_id)
@@ -156,18 +152,16 @@ def _check_added_tokens_agree(bpe: _BPE, config: Mapping[str, Any], path: Path) 
     for str_id, entry in config.get("added_tokens_decoder", {}).items():
         content = entry.get("content") if isinstance(entry, Mapping) else entry
         if bpe.token_to_id(content) != int(str_id):
-            raise ValueError(
-                f"{path}: tokenizer_config.json maps {content!r} to id {str_id} but tokenizer.json maps it to "
-                f"{bpe.token_to_id(content)}; the two files come from different models. {_DOWNLOAD_HINT}"
-            )
+            raise ValueError(f"{path}: tokenizer_config.json maps {content!r} to id {str_id} but tokenizer.json maps "
+                             f"it to {bpe.token_to_id(content)}; the two files come from different models. "
+                             f"{_DOWNLOAD_HINT}")
 
 
 def _validate_messages(messages: Any) -> None:
     """Reject what the plain-Python template does not cover, with a message saying what is wrong."""
-    if isinstance(messages, Mapping) or isinstance(messages, str) or not isinstance(messages, Sequence):
-        raise ValueError(
-            f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}"
-        )
+    if isinstance(messages, (Mapping, str)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
+                         f"got {type(messages).__name__}")
     if len(messages) == 0:
         raise ValueError("messages is empty: a chat needs at least one message")
     for i, m in enumerate(messages):
@@ -175,14 +169,10 @@ def _validate_messages(messages: Any) -> None:
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
         role = m.get("role")
         if role == "tool" or m.get("tool_calls"):
-            raise ValueError(
-                f"messages[{i}] uses tools (role 'tool' or 'tool_calls'), which render_chat does not support; "
-                "only plain system/user/assistant turns are rendered"
-            )
+            raise ValueError(f"messages[{i}] uses tools (role 'tool' or 'tool_calls'), which render_chat does not "
+                             "support; only plain system/user/assistant turns are rendered")
         if role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}] has unknown role {role!r}; expected one of {CHAT_ROLES}")
         if not isinstance(m.get("content"), str):
-            raise ValueError(
-                f"messages[{i}] content must be a str, got {type(m.get('content')).__name__} "
-                "(multimodal/list content and missing content are not supported)"
-            )
+            raise ValueError(f"messages[{i}] content must be a str, got {type(m.get('content')).__name__} "
+                             "(multimodal/list content and missing content are not supported)")

@@ -144,9 +144,8 @@ def _download(repo: str, file: str, split: str, fields, final: str, numeric: boo
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise ImportError(
-                f"Reading {repo} from the Hub needs pyarrow: `pip install pyarrow` (or `pip install -e "
-                f"'.[hub-data]'`), or pass a local jsonl with --{split}-data FILE.") from None
+            raise ImportError(f"Reading {repo} from the Hub needs pyarrow: `pip install pyarrow` (or `pip install "
+                              f"-e '.[hub-data]'`), or pass a local jsonl with --{split}-data FILE.") from None
     from huggingface_hub import hf_hub_download
 
     try:

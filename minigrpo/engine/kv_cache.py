@@ -40,8 +40,7 @@ class KVCache:
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+        return 2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
     @property
     def num_free(self) -> int:

@@ -68,10 +68,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
         cos, sin = cos[:, None], sin[:, None]                                           # (B, 1, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if mask is None:  # no padding: the fused causal kernels apply
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
+        # (B, H, T, D); with no mask (no padding) the fused causal kernels apply
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -13,13 +13,9 @@ from __future__ import annotations
 import math
 import re
 
-# A completion of a few hundred tokens is a few thousand characters. The final answer lives at the end,
-# so only the tail is scanned: this bounds the cost of pathological generations.
-MAX_TEXT_CHARS = 16_384
-# No honest final answer is longer than this; anything longer is not a number we want to parse.
-MAX_ANSWER_CHARS = 512
-# Relative tolerance: |pred - truth| <= REL_TOL * max(1, |truth|).
-REL_TOL = 1e-6
+MAX_TEXT_CHARS = 16_384  # only this tail is scanned (the answer is at the end): bounds pathological completions
+MAX_ANSWER_CHARS = 512   # no honest final answer is longer
+REL_TOL = 1e-6           # |pred - truth| <= REL_TOL * max(1, |truth|)
 
 _BOXED_OR_BRACE = re.compile(r"\\boxed\s*\{|[{}]")
 _HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")

@@ -91,7 +91,8 @@ case "${1:-}" in
                #   profile [N...]: one profiled step on N = 1 and 2 GPUs: NCCL kernel time, time without a compute
                #        kernel, per rank (Chrome traces in $OUT/profileN)
                #   scale [05b|7b] [RUN...]: samples/s, step time, peak memory per rank, RUN = ddp1 (one GPU: nothing
-               #        is wrapped), ddp2, fsdp2 (default all three; at 7b one RUN per call), LEAN, 8x8x256 per GPU
+               #        is wrapped), ddp2, fsdp2 (default all three; at 7b one RUN per call), LEAN, 8x8x256 per GPU;
+               #        BENCH_FLAGS: more bench/train_step.py flags (--no-freeze-gc: the collector as before)
                # NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set on these machines: KINDS.md).
     T="bench/train_step.py --data $DATA --attn triton"
     case "${2:-}" in
@@ -119,7 +120,7 @@ case "${1:-}" in
         RUNS=("${@:4}"); [ ${#RUNS[@]} -gt 0 ] || RUNS=(ddp1 ddp2 fsdp2)
         for r in "${RUNS[@]}"; do  # ddp2 -> --parallel ddp on 2 GPUs
           OUT=$OUT/${M}_$r torchrun --standalone --nproc-per-node "${r: -1}" $T --model-dir "/tmp/rand$M" \
-            --steps "${STEPS:-8}" -- $LEAN --parallel "${r%?}" 2>&1 | grep -E "^triton|Error"
+            --steps "${STEPS:-8}" ${BENCH_FLAGS:-} -- $LEAN --parallel "${r%?}" 2>&1 | grep -E "^triton|Error"
         done ;;
       *) echo "usage: bash bench/h200.sh ddp2 net | profile [N...] | scale [05b|7b] [ddp1|ddp2|fsdp2 ...]"; exit 2 ;;
     esac ;;

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
 from minigrpo.engine.decode import DecodeModel  # noqa: E402
 from minigrpo.rl import distributed  # noqa: E402
+from minigrpo.rl.loop import freeze_gc  # noqa: E402
 from minigrpo.rl.trainer import Trainer  # noqa: E402
 
 
@@ -62,6 +65,26 @@ class StandInReward:
         return self.task.describe(i)
 
 
+class GcClock:
+    """Seconds the garbage collector ran, and its full (generation 2) collections, since reset()."""
+
+    def __init__(self):
+        self.seconds, self.full, self._t0 = 0.0, 0, 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.full += info["generation"] == 2
+
+    def reset(self) -> dict:
+        seen = {"gc_s": self.seconds, "gc_full": self.full}
+        self.seconds, self.full = 0.0, 0
+        return seen
+
+
 def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -> list[dict]:
     attn, _, comp = spec.partition(":")
     flags = ["--model-dir", args.model_dir, "--train-data", f"{args.data}/gsm8k/train.jsonl", "--device", args.device,
@@ -77,7 +100,13 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
     trainer = Trainer(cli.cfg, model, tokenizer, reward, backend, out, tokenizer_dir=model_dir, dist=dist)
     pool = getattr(backend, "kv", None)  # the engine's KV pool, resident through the update
     kv_gb = sum(t.numel() * t.element_size() for t in pool.k + pool.v) / 2**30 if pool else 0.0
-    rows = [dict(trainer.step(), kv_pool_gb=kv_gb) for _ in range(args.steps)]
+    rows, clock = [], GcClock()
+    for _ in range(args.steps):  # as train.py's run loop does (rl/loop.py), unless --no-freeze-gc
+        clock.reset()
+        m = trainer.step()
+        rows.append(dict(m, kv_pool_gb=kv_gb, **clock.reset()))
+        if m["compile_s"] > 0 and not args.no_freeze_gc:
+            freeze_gc()
     # The estimate the start-up check made (for the data's longest prompt), and for the longest one drawn
     estimates = [train_cli.memory_estimator(cli, model.config, task, None, dist.world, longest_prompt=n)(cli.cfg)
                  for n in (None, reward.longest)]
@@ -124,7 +153,7 @@ def compute_idle_s(prof) -> float:
 KEYS = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_sync", "time_step", "rollout_tokens_per_s",
         "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb", "trained_rows", "loss", "kl", "clip_frac",
         "grad_norm", "logp_diff_mean", "logp_diff_max", "mismatch_kl", "tis_weight_mean", "tis_ratio_max",
-        "tis_capped_frac", "compiled_graphs", "compile_s", "completion_len_mean", "kv_pool_gb")
+        "tis_capped_frac", "compiled_graphs", "compile_s", "completion_len_mean", "kv_pool_gb", "gc_s", "gc_full")
 
 
 def summary(rows: list[dict], estimates, dist: distributed.Dist, samples: int) -> dict:
@@ -144,7 +173,8 @@ def summary(rows: list[dict], estimates, dist: distributed.Dist, samples: int) -
     row["warm_step_s"] = min(warm) if warm else None
     row["median_warm_step_s"] = sorted(warm)[len(warm) // 2] if warm else None
     row["samples_per_s"] = samples / row["median_warm_step_s"] if warm else None
-    row["every_step"] = [{k: round(r[k], 3) for k in KEYS if k in r and (k.startswith("time") or k in ("compiled_graphs", "compile_s"))}
+    per_step = ("compiled_graphs", "compile_s", "gc_s", "gc_full")
+    row["every_step"] = [{k: round(r[k], 3) for k in KEYS if k in r and (k.startswith("time") or k in per_step)}
                          for r in rows]
     return row
 
@@ -165,6 +195,8 @@ def main():
     p.add_argument("--engine-copy", action="store_true",
                    help="the engine keeps a copy of the weights, synced after each update, even where it could share "
                         "the policy's memory (--weights bf16 on CUDA): the behaviour before sharing, to compare")
+    p.add_argument("--no-freeze-gc", action="store_true",
+                   help="leave the garbage collector as Python sets it (train.py freezes it after a step that compiled)")
     p.add_argument("extra", nargs="*", help="more train.py flags (after --)")
     args = p.parse_args()
     if args.engine_copy:

@@ -10,6 +10,8 @@ alone logs and writes; every rank steps, evaluates its share of the eval example
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from tqdm import tqdm
 
@@ -41,6 +43,8 @@ def run(trainer: Trainer) -> list[dict]:
                 if signum:
                     raise Interrupted(signum, t.step_idx, t.save())
                 m = t.step()
+                if m["compile_s"] > 0:
+                    freeze_gc()
                 bad = nonfinite(t.model, m)
                 if bad:
                     if main:
@@ -63,6 +67,16 @@ def run(trainer: Trainer) -> list[dict]:
         if logger is not None:
             logger.close()
     return history
+
+
+def freeze_gc() -> None:
+    """Put every object alive now (the model, compiled graphs and their caches: millions of them) out of the
+    garbage collector's reach; called after a step that compiled.
+
+    Otherwise each full collection walks them all: a pause of a few hundred ms at an unpredictable step,
+    and under torchrun every other rank waits for it at the next collective."""
+    gc.collect()
+    gc.freeze()
 
 
 def _evaluate(t: Trainer, logger: MetricsLogger | None) -> dict:

@@ -126,19 +126,14 @@ def check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens) -> None:
         raise ValueError(f"head_dim mismatch: q has {D}, the KV pool has {Dk}")
     if Hq % Hkv:
         raise ValueError(f"q_heads ({Hq}) must be a multiple of kv_heads ({Hkv}) for grouped-query attention")
-    if not (q.dtype == k_pool.dtype == v_pool.dtype):
-        raise TypeError(f"q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"unsupported dtype {q.dtype}: use float16, bfloat16 or float32")
-    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
-        raise ValueError("k_pool and v_pool must be contiguous (P, S, Hkv, D) tensors")
-    if q.stride(-1) != 1:
-        raise ValueError(f"q's last dim must be contiguous, got strides {q.stride()}")
+    if not q.dtype == k_pool.dtype == v_pool.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q, k_pool, v_pool must share one dtype, float16, bfloat16 or float32; got {q.dtype}, "
+                        f"{k_pool.dtype}, {v_pool.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != B or block_table.dtype != torch.int32:
         raise ValueError(f"block_table must be int32 (batch={B}, max_pages), got "
                          f"{block_table.dtype} {tuple(block_table.shape)}")
-    if block_table.stride(-1) != 1:
-        raise ValueError(f"block_table rows must be contiguous, got strides {block_table.stride()}")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous() and q.stride(-1) == 1 and block_table.stride(-1) == 1):
+        raise ValueError("k_pool and v_pool must be contiguous, and q and block_table contiguous in their last dim")
     if seq_lens.shape != (B,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 (batch={B},), got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     devices = {t.device for t in (q, k_pool, v_pool, block_table, seq_lens)}

@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor
 
 import kernels  # noqa: F401  (registers torch.ops.minigrpo.*)
 from minigrpo.engine.attention import decode_attention, rope_store
-from minigrpo.engine.kv_cache import write_slots
 from minigrpo.model.config import ModelConfig
 from minigrpo.model.qwen2 import Qwen2ForCausalLM, apply_rope, rms_norm, rope_cos_sin
 from minigrpo.model.sampling import SAMPLE_CHUNK, SamplingParams, sample
@@ -103,7 +102,8 @@ class DecodeModel(nn.Module):
             q = apply_rope(q.view(B, T, H, D), cos, sin)                            # (B, T, H, D)
             k = apply_rope(k.view(B, T, K, D), cos, sin)                            # (B, T, K, D)
             v = v.view(B, T, K, D)
-            write_slots(k_pools[i], v_pools[i], flat_slots, k.reshape(-1, K, D), v.reshape(-1, K, D))
+            for pool, rows in ((k_pools[i], k), (v_pools[i], v)):                 # the K/V cache store
+                pool.view(-1, K, D).index_copy_(0, flat_slots, rows.reshape(-1, K, D))
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=True)     # (B, H, T, D)
             x = x + F.linear(y.transpose(1, 2).reshape(B, T, H * D), self.w_o[i])

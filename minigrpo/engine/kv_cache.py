@@ -87,13 +87,3 @@ class KVCache:
         for pool in self.k + self.v:
             pool.index_copy_(0, d, pool.index_select(0, s))
 
-
-def write_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> None:
-    """Store the K/V (N, K, D) of N tokens of one layer at flat slots (N,) = page * S + offset."""
-    assert k_pool.is_contiguous() and v_pool.is_contiguous(), "KV pools must be contiguous (P, S, K, D)"
-    assert slots.dim() == 1 and k.shape == v.shape == (slots.shape[0], *k_pool.shape[2:]), \
-        f"cache write: slots {tuple(slots.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, pool {tuple(k_pool.shape)}"
-    assert k.dtype == v.dtype == k_pool.dtype, f"cache holds {k_pool.dtype}, got {k.dtype} / {v.dtype}"
-    k_pool.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-    v_pool.view(-1, *v.shape[1:]).index_copy_(0, slots, v)

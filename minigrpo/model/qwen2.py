@@ -158,8 +158,7 @@ class Qwen2ForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)                                            # (B, T, C)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)         # (B, T, D)
         for t in (x, cos, sin):  # compiled layers (the trainer's): one graph for every B and T; eager: a no-op
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-            torch._dynamo.maybe_mark_dynamic(t, 1)
+            torch._dynamo.maybe_mark_dynamic(t, [0, 1])
         recompute = checkpoint_layers and torch.is_grad_enabled()
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, recompute)

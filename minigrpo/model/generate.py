@@ -40,13 +40,12 @@ def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: 
     """A completion for each prompt: up to max_new_tokens tokens, ending with the first stop id if one is drawn.
     For G samples of a prompt, pass the prompt G times with G different seeds."""
     device = next(model.parameters()).device
-    ids, mask = left_pad(prompts, pad_id, device)                                     # (B, T)
+    ids, mask = left_pad(prompts, pad_id, device)                                     # (B, T) prompts
     if len({len(p) for p in prompts}) == 1:
         mask = None  # nothing is padded: the fused causal attention kernels apply (what transformers runs)
-    B = ids.shape[0]
+    B, T = ids.shape
     seeds_t = torch.tensor(seeds if seeds is not None else [0] * B, dtype=torch.long, device=device)
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
-    out = torch.empty((B, 0), dtype=torch.long, device=device)
     out_logp = torch.empty((B, 0), dtype=torch.float32, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
@@ -54,7 +53,6 @@ def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: 
         counters = torch.full((B,), step, dtype=torch.long, device=device)
         tok, logp = sample(logits, params, seeds_t, counters)                         # (B,)
         tok = torch.where(done, pad_id, tok)
-        out = torch.cat([out, tok[:, None]], dim=1)
         out_logp = torch.cat([out_logp, logp[:, None]], dim=1)
         done |= torch.isin(tok, stops)
         ids = torch.cat([ids, tok[:, None]], dim=1)
@@ -63,7 +61,7 @@ def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: 
         if bool(done.all()):
             break
     tokens, logprobs = [], []
-    for row, row_logp in zip(out.tolist(), out_logp.tolist()):
+    for row, row_logp in zip(ids[:, T:].tolist(), out_logp.tolist()):
         cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
         tokens.append(row[:cut])
         logprobs.append(row_logp[:cut])

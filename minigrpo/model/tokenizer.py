@@ -117,8 +117,7 @@ class Tokenizer:
 
     def batch_decode(self, batch: Iterable[Sequence[int]] | Any, skip_special_tokens: bool = True) -> list[str]:
         """A batch of id sequences (list of lists or 2-D tensor) -> list of texts."""
-        rows = batch.tolist() if hasattr(batch, "tolist") else list(batch)
-        rows = [_as_id_list(row, "batch_decode") for row in rows]
+        rows = [_as_id_list(row, "batch_decode") for row in batch]
         return self._bpe.decode_batch(rows, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:

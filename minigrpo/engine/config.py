@@ -1,5 +1,4 @@
-"""`EngineConfig`: the rollout engine's settings, read by the engine and by the runner below it.
-"""
+"""`EngineConfig`: the rollout engine's settings, read by the engine and by the runner below it."""
 
 from __future__ import annotations
 

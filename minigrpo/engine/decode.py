@@ -36,9 +36,9 @@ class DecodeModel(nn.Module):
         L, C, H, K, D, Fw, V = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
                                 cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
         self.qkv_sizes = (H * D, K * D, K * D)
-        shapes = dict(embed=(V, C), ln1=(L, C), w_qkv=(L, (H + 2 * K) * D, C), b_qkv=(L, (H + 2 * K) * D),
-                      w_o=(L, C, H * D), ln2=(L, C), w_gate_up=(L, 2 * Fw, C), w_down=(L, C, Fw), norm=(C,),
-                      lm_head=(V, C))
+        shapes = {"embed": (V, C), "ln1": (L, C), "w_qkv": (L, (H + 2 * K) * D, C), "b_qkv": (L, (H + 2 * K) * D),
+                  "w_o": (L, C, H * D), "ln2": (L, C), "w_gate_up": (L, 2 * Fw, C), "w_down": (L, C, Fw),
+                  "norm": (C,), "lm_head": (V, C)}
         for name, shape in shapes.items():
             tied = name == "lm_head" and cfg.tie_word_embeddings
             self.register_buffer(name, self.embed if tied else torch.empty(shape, dtype=dtype, device=device))

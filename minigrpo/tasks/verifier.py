@@ -131,11 +131,9 @@ def _math_verify_equal(pred: str, truth: str) -> bool:
     (`pip install minigrpo[math]`); False without it, or when it fails (its timeouts need the main thread)."""
     try:
         from math_verify import parse, verify
-    except ImportError:
-        return False
-    try:
+
         return bool(verify(parse(f"${truth}$"), parse(f"${pred}$")))
-    except Exception:  # a parser error or timeout on some string the policy wrote: not a match
+    except Exception:  # not installed, or a parser error or timeout on a string the policy wrote: not a match
         return False
 
 

@@ -1,25 +1,16 @@
 """Paged decode attention in Triton: one new query token per sequence against its paged KV cache.
 
-Decode attention is pure memory traffic (each K/V byte is used by only n_rep query heads), so the design
-is about reading the cache once, at full bandwidth, straight from the pool:
-
-* No gather. Each token's page comes from the block table inside the kernel; K/V rows are loaded from
-  the pool directly, D contiguous elements per row, so loads vectorise to 16 bytes.
-* One program per (sequence, KV head, split) serves all n_rep query heads of the group: the q tile is
-  (BLOCK_H >= 16, D) and both products are `tl.dot`s, so each K/V tile is read once per group, not
-  once per query head.
-* BLOCK_N = 64 tokens per iteration (4 pages at page size 16): enough bytes in flight per step, whatever
-  the page size, because a token's page is looked up per token rather than per iteration.
-* Split-K over the sequence fills the GPU when batch * kv_heads alone cannot. Each split reduces its
-  share with an online softmax (fp32, log2 domain) and writes a normalised partial output and its
-  log-sum-exp; a second small kernel merges them. The split count depends only on static shapes
-  (batch, kv heads, block-table width, SM count), never on seq_lens, so one CUDA graph per shape works;
-  the per-split token range is computed in the kernel from seq_lens (data, not shape).
+Decode attention is pure memory traffic, so the design reads the cache once, straight from the pool:
+* No gather: each token's page is looked up in the block table inside the kernel, and K/V rows load as
+  D contiguous elements (16-byte vector loads).
+* One program per (sequence, KV head, split) serves all n_rep query heads of the group with `tl.dot`s,
+  so each K/V tile is read once per group.
+* Split-K over the sequence fills the GPU when batch * kv_heads cannot: each split runs an online softmax
+  (fp32, log2 domain) and writes a normalised partial output and its log-sum-exp; a second kernel merges
+  them. The split count depends on static shapes only, never on seq_lens, so one CUDA graph per shape works.
 * seq_len 0 (padded CUDA-graph slots) gives an all-zero output and touches no page.
 
-Registered as `torch.ops.minigrpo.paged_decode_attention` through `torch.library.triton_op`, so
-torch.compile(fullgraph=True) traces the kernels (no graph break, no copy of the pool). With
-TRITON_INTERPRET=1 the same kernels run on CPU tensors through Triton's interpreter (the CPU tests).
+Registered through `torch.library.triton_op`, so torch.compile(fullgraph=True) traces it with no graph break.
 
 Shape legend: B sequences, Hq query heads, Hkv KV heads, D head dim, P pages in the pool, S tokens per
 page, M block-table width (pages per sequence), NS splits of the sequence.
@@ -38,13 +29,8 @@ from torch.library import triton_op, wrap_triton
 BLOCK_N = 64                 # tokens per inner-loop step
 MIN_TOKENS_PER_SPLIT = 128   # a split shorter than this costs more in merge traffic than it gains
 MAX_SPLITS = 32
-# Latency is hidden by occupancy rather than deep software pipelining: Triton's pipeliner loads the next
-# block's page ids early but keeps one K/V buffer, so each block waits a memory latency. At D = 64 a
-# program takes ~58 registers/thread and ~20 KiB of shared memory, so ~8 fit on an SM. (A hand
-# double-buffered loop keeps two K/V tiles in registers, ~128 per thread, so only 4 fit; it is slower.)
-# A split adds the merge kernel and its fp32 partials, which pays only while the GPU is underfilled:
-# 64 sequences x 2 KV heads (1 program per SM) gain from 4 splits, 256 x 2 (3.9 per SM) lose from 2.
-# So split until there are 3 per SM (`bench/attention.py --sweep` times the alternatives).
+# Splits pay (merge kernel, fp32 partials) only while the GPU is underfilled: split until there are
+# 3 programs per SM (`bench/attention.py --sweep`; the measurements are in bench/NOTES.md).
 PROGRAMS_PER_SM = 3
 LOG2E = 1.4426950408889634
 
@@ -127,10 +113,6 @@ def _merge_splits_kernel(o_part_ptr, lse_ptr, out_ptr,
     tl.store(out_ptr + bh * D + d, out)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Host side: contract checks, static launch configuration, the registered op.
-# ----------------------------------------------------------------------------------------------------
-
 def check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens) -> None:
     """Assert the paged-KV decode contract on metadata only (no device sync; safe under torch.compile)."""
     if q.dim() != 3:
@@ -144,19 +126,14 @@ def check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens) -> None:
         raise ValueError(f"head_dim mismatch: q has {D}, the KV pool has {Dk}")
     if Hq % Hkv:
         raise ValueError(f"q_heads ({Hq}) must be a multiple of kv_heads ({Hkv}) for grouped-query attention")
-    if not (q.dtype == k_pool.dtype == v_pool.dtype):
-        raise TypeError(f"q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"unsupported dtype {q.dtype}: use float16, bfloat16 or float32")
-    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
-        raise ValueError("k_pool and v_pool must be contiguous (P, S, Hkv, D) tensors")
-    if q.stride(-1) != 1:
-        raise ValueError(f"q's last dim must be contiguous, got strides {q.stride()}")
+    if not q.dtype == k_pool.dtype == v_pool.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q, k_pool, v_pool must share one dtype, float16, bfloat16 or float32; got {q.dtype}, "
+                        f"{k_pool.dtype}, {v_pool.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != B or block_table.dtype != torch.int32:
         raise ValueError(f"block_table must be int32 (batch={B}, max_pages), got "
                          f"{block_table.dtype} {tuple(block_table.shape)}")
-    if block_table.stride(-1) != 1:
-        raise ValueError(f"block_table rows must be contiguous, got strides {block_table.stride()}")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous() and q.stride(-1) == 1 and block_table.stride(-1) == 1):
+        raise ValueError("k_pool and v_pool must be contiguous, and q and block_table contiguous in their last dim")
     if seq_lens.shape != (B,) or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be int32 (batch={B},), got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     devices = {t.device for t in (q, k_pool, v_pool, block_table, seq_lens)}
@@ -172,11 +149,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int) -> int:
-    """Splits of each sequence so that batch * kv_heads * splits programs fill the GPU.
-
-    Static inputs only (max_tokens = block-table width * page size), so a CUDA graph captured for one
-    batch shape stays valid for any seq_lens.
-    """
+    """Splits of each sequence so that batch * kv_heads * splits programs fill the GPU. Static inputs only
+    (max_tokens = block-table width * page size), so a captured CUDA graph stays valid for any seq_lens."""
     want = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch * kv_heads)
     cap = max(1, max_tokens // MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, cap, MAX_SPLITS))
@@ -192,15 +166,13 @@ class LaunchConfig:
 
 
 def default_config(batch: int, kv_heads: int, max_tokens: int, head_dim: int, device: torch.device):
-    # Compiled for sm_90 this is ~20 KiB of shared memory per program at D = 64 and ~38 KiB at D = 128
-    # (one 64-token K + V tile buffered either way); fewer stages keep D = 128 from growing further.
+    # Fewer stages at D = 128 keep the shared memory per program (~38 KiB on sm_90) from growing further.
     return LaunchConfig(num_splits=choose_num_splits(batch, kv_heads, max_tokens, _num_sms(device)),
                         num_stages=2 if head_dim >= 128 else 3)
 
 
-# TRITON_INTERPRET=1 turns every @triton.jit into a CPU-interpreted function, so the kernels accept CPU
-# tensors (the tests without a GPU). Triton's own library (tl.max, tl.cdiv, ...) is built when triton is
-# first imported, so the flag only works if it was set before that; otherwise both checks disagree.
+# TRITON_INTERPRET=1 runs @triton.jit functions on CPU tensors (the tests), if it was set before triton's
+# first import (which builds tl.max and the rest); otherwise the two checks disagree.
 INTERPRETED = not isinstance(_paged_decode_kernel, triton.runtime.JITFunction) and \
     not isinstance(tl.max, triton.runtime.JITFunction)
 
@@ -258,10 +230,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int = 0) -> torch.Tensor:
     """softmax(q k^T * scale) v over each sequence's first seq_lens[b] cached tokens. -> (B, Hq, D), q's dtype.
-
-    q (B, Hq, D); k_pool, v_pool (P, S, Hkv, D) contiguous; block_table (B, M) int32; seq_lens (B,) int32.
-    num_splits: 0 picks it from static shapes; >= 1 forces it (1 = single pass, no merge kernel).
-    """
+    Inputs as in `check_decode_inputs`. num_splits: 0 picks it from static shapes, >= 1 forces it."""
     check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens)
     if num_splits < 0:
         raise ValueError(f"num_splits must be 0 (auto) or positive, got {num_splits}")
@@ -274,8 +243,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 
 if INTERPRETED:
-    # The interpreter needs real data, so Dynamo gets a shape-only fake instead of tracing the kernel
-    # launches (compiled kernels keep triton_op's default: the body is traced).
+    # The interpreter needs real data, so Dynamo gets a shape-only fake instead of tracing the launches.
     @paged_decode_attention.register_fake
     def _(q, k_pool, v_pool, block_table, seq_lens, scale, num_splits=0):
         return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -1,15 +1,8 @@
-"""Fused RoPE + KV-cache store for the decode step, in Triton.
+"""Fused RoPE + KV-cache store for the decode step, in Triton: one launch instead of ~10 small kernels.
 
-Per new token: rotate q and k by the token's position (Hugging Face Qwen2 convention, non-interleaved:
-x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1)), return the rotated q and write the
-rotated k and the v into the pools at `slot = page * S + offset`. A negative slot (a padded slot of a
-CUDA-graph batch) stores nothing. One launch instead of the ~10 small kernels the PyTorch version costs.
-
-Rounding matches the model's `apply_rope` step by step (tables cast to the activation dtype, each product
-and the sum rounded to it), so decode sees the same q/k bits as the reference forward.
-
-Registered as `torch.ops.minigrpo.rope_store` (mutates k_pool and v_pool in place). With
-TRITON_INTERPRET=1 it runs on CPU tensors, as in `decode_attention.py`.
+Per new token: rotate q and k by the token's position (HF Qwen2's non-interleaved convention, as the
+model's `apply_rope`, rounding step by step as it does), return the rotated q, and write the rotated k and
+the v into the pools at `slot = page * S + offset`; a negative slot (a padded batch slot) stores nothing.
 
 Shape legend: B sequences, Hq query heads, Hkv KV heads, D head dim, P pages, S page size.
 """
@@ -84,18 +77,14 @@ def check_rope_store_inputs(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
     if not (q.dtype == k.dtype == v.dtype == k_pool.dtype == v_pool.dtype):
         raise TypeError(f"q, k, v and the pools must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
                         f"{k_pool.dtype}, {v_pool.dtype}")
-    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
-        raise ValueError("k_pool and v_pool must be contiguous (P, S, Hkv, D) tensors")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("q, k, v must be contiguous in their last (head_dim) dimension")
     for name, t in (("positions", positions), ("slots", slots)):
         if t.shape != (B,) or t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32 (batch={B},), got {t.dtype} {tuple(t.shape)}")
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.dtype != torch.float32:
         raise ValueError(f"cos and sin must be float32 (max_positions, head_dim={D}) tables, got "
                          f"{cos.dtype} {tuple(cos.shape)} and {sin.dtype} {tuple(sin.shape)}")
-    if not (cos.is_contiguous() and sin.is_contiguous()):
-        raise ValueError("cos and sin tables must be contiguous")
+    if not all(t.is_contiguous() for t in (k_pool, v_pool, cos, sin)) or any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError("k_pool, v_pool, cos and sin must be contiguous, and q, k, v contiguous in their last dim")
     devices = {t.device for t in (q, k, v, k_pool, v_pool, positions, slots, cos, sin)}
     if len(devices) != 1:
         raise ValueError(f"all rope-store inputs must be on one device, got {sorted(map(str, devices))}")

@@ -1,36 +1,15 @@
 """Fused two-level sampling in Triton: one reduction pass over the logits, no (B, V) temporaries.
 
-The PyTorch sampler (`minigrpo.model.sampling.sample`) is the readable reference, and its module doc explains
-the draw: a vocabulary chunk of `chunk` indices (the reference's chunk, passed in) by inverse CDF over the chunks' softmax masses, then
-Gumbel-max within that chunk. Here x = logits / T, and two kernels:
-  1. grid (B, NC): each program reduces one chunk to its max m_c and its sum s_c of exp(x - m_c). No hash,
-     no logs: per element a load, a max, one exp and an add.
-  2. grid (B,): each program weighs its row's chunks, w_c = s_c exp(m_c - M), draws a chunk from their
-     inclusive cumsum with the uniform at index M31, and runs Gumbel-max over that chunk alone: the
-     reference's hash of (seed, counter, vocabulary index) and two precise logs, on 1 / NC of the row.
-The noise is the reference's, so a sequence draws the same token with either sampler, up to float rounding
-where the target lands on a chunk boundary (the chunk masses are summed in another order) or a tie.
-
-Why it is shaped this way (bf16 logits, 256 x 151936; instruction counts from the sm_90 SASS):
-* A one-level draw, Gumbel-max over the whole vocabulary, costs a hash and two logs per element (about
-  67 instructions): bound by instruction issue, far above the ~18 us that reading 78 MB of logits needs
-  at an H200's 4.3 TB/s. Kernel 1 runs about 13 instructions per element, the reductions included;
-  kernel 2 about 100, but on 4096 elements per row.
-* A program holds its whole chunk in registers (4096 / 128 threads = 32 values each): the max, then one
-  exp per element for the sum, and all four 16-byte loads of a thread in flight at once. This beats a
-  streaming loop with an online max / sum.
-* Kernel 2 also takes its chunk as one block, with 8 warps: 256 programs are about 2 per SM, and more
-  threads hide the latency of the hash and logs.
-* There is no division at temperature 1, the RL default. Dividing by 1 is exact, so the draws do not
-  change.
-* The hash keeps the reference's 31-bit values, but computes the low 31 bits of each product in uint32
-  (wrap-around is defined, the bits are the same) instead of emulated int64 multiplies.
-* The chunk is a fixed size, not fitted to the batch or the GPU, so the draw stays a function of the
-  seeds alone; 151936 entries still make 38 programs per row, enough to fill the GPU at 64 rows.
-
-Plain temperature sampling only (no top-k / top-p: those need a sort; the reference handles them).
-Registered as `torch.ops.minigrpo.fused_sample`, so it is one opaque node inside torch.compile and two
-plain launches inside CUDA graphs.
+The draw is the reference's (`minigrpo.model.sampling`, whose module doc explains it), with x = logits / T:
+  1. grid (B, NC): each program reduces one chunk to its max m_c and its sum s_c of exp(x - m_c): per
+     element a load, a max, one exp and an add, so this pass is bound by memory, not arithmetic.
+  2. grid (B,): each program weighs its row's chunks, w_c = s_c exp(m_c - M), draws a chunk by inverse
+     CDF with the uniform at index M31, and runs Gumbel-max over that chunk alone (the reference's hash
+     of (seed, counter, vocabulary index)).
+Same noise as the reference, so both samplers draw the same token, up to float rounding where the target
+lands on a chunk boundary (the masses are summed in another order) or a tie. Each program holds its whole
+chunk in registers; there is no division at temperature 1 (exact anyway). Plain temperature sampling only
+(top-k / top-p need a sort: the reference handles them). Timings: bench/NOTES.md.
 
 Shape legend: B rows, V vocabulary, NC = ceil(V / chunk) chunks per row.
 """
@@ -69,8 +48,7 @@ def _load_x(row, idx, V, temperature, UNIT_T: tl.constexpr):
     # x = logits / T in fp32 at indices idx, -inf past V.
     x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
     if not UNIT_T:
-        # .to: under torch.compile the Python-float temperature can arrive as fp64, which would make x fp64.
-        # Division, not a reciprocal: the reference's rounding.
+        # Division, not a reciprocal: the reference's rounding. .to: torch.compile may pass T as fp64.
         x = (x / temperature).to(tl.float32)
     return x
 
@@ -121,9 +99,7 @@ def _chunk_draw_kernel(logits_ptr, seeds_ptr, counters_ptr, m_ptr, s_ptr, tok_pt
 def fused_sample(logits: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
                  temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens (B,) int64 drawn from softmax(logits / temperature) and their log-probs (B,) fp32.
-
-    logits (B, V) fp32/bf16/fp16 with unit stride in V; seeds, counters (B,) int64 on the same device;
-    chunk: the vocabulary chunk of the two-level draw, a power of two (the caller's chunk)."""
+    logits (B, V) with unit stride in V; seeds, counters (B,) int64; chunk: the draw's chunk, a power of two."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be (batch, vocab) with contiguous rows, got shape "
                          f"{tuple(logits.shape)} strides {logits.stride()}")

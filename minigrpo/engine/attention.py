@@ -3,18 +3,14 @@
     decode_attention(backend, q, k_pool, v_pool, block_table, seq_lens, scale) -> (B, Hq, D)
     rope_store(backend, q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> rotated q
 
-Backends:
-  eager  - gather each sequence's pages, plain fp32 math. The readable reference the others are tested against.
+  eager  - gather each sequence's pages, plain fp32 math: the reference the others are tested against.
   sdpa   - gather pages into a dense padded K/V, then F.scaled_dot_product_attention with a length mask.
-  triton - the paged kernels in `kernels/` (no gather: K/V are read straight from the pool).
+  triton - the paged kernels in `kernels/`, reading K/V straight from the pool.
 
 KV-cache contract (one layer): k_pool, v_pool (P, S, Hkv, D) contiguous; block_table (B, M) int32 lists each
-sequence's pages in order (entries past its length are never used); seq_lens (B,) int32 counts valid tokens
-including the current one, whose K/V is already stored. seq_len 0 (a padded CUDA-graph slot) yields zeros.
-Query head h reads KV head h // n_rep.
-
-Everything here has static shapes and no host sync, so it runs inside torch.compile(fullgraph=True) and
-CUDA graphs.
+sequence's pages in order; seq_lens (B,) int32 counts valid tokens including the current one, whose K/V is
+already stored; seq_len 0 (a padded slot) yields zeros. Query head h reads KV head h // n_rep. Static
+shapes and no host sync throughout, for torch.compile(fullgraph=True) and CUDA graphs.
 
 Shape legend: B sequences, Hq query heads, Hkv KV heads, R = n_rep = Hq / Hkv, D head dim, P pages,
 S page size, M block-table width, T = M * S padded context length.
@@ -49,55 +45,43 @@ def decode_attention(backend: str, q: torch.Tensor, k_pool: torch.Tensor, v_pool
     return _sdpa_decode(q, k_pool, v_pool, block_table, seq_lens, scale)
 
 
-def gather_pages(pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor):
-    """Each sequence's cached rows in order, zeroed past its length. -> ((B, T, Hkv, D), valid (B, T))."""
-    B, M = block_table.shape
-    S = pool.shape[1]
-    # Unused table entries may be -1 or stale: clamp keeps the gather in range, the mask discards them.
-    rows = pool[block_table.clamp(min=0)].flatten(1, 2)                         # (B, T, Hkv, D)
-    valid = torch.arange(M * S, device=pool.device) < seq_lens[:, None]         # (B, T)
-    # Zero, not just mask: a stale page may hold inf/NaN, and 0 * NaN would leak through p @ v.
-    return rows.masked_fill(~valid[:, :, None, None], 0.0), valid
+def _gather(q, k_pool, v_pool, block_table, seq_lens):
+    """q grouped by KV head (B, Hkv, R, D); each sequence's cached K and V rows in order (B, T, Hkv, D),
+    zeroed past its length; and the mask of valid rows (B, T)."""
+    B, Hq, D = q.shape
+    Hkv, S = k_pool.shape[2], k_pool.shape[1]
+    valid = torch.arange(block_table.shape[1] * S, device=q.device) < seq_lens[:, None]   # (B, T)
+    # Unused table entries may be -1 or stale: clamp keeps the gather in range. Zero, not just mask, the
+    # rows past the length: a stale page may hold inf/NaN, and 0 * NaN would leak through p @ v.
+    k, v = (pool[block_table.clamp(min=0)].flatten(1, 2).masked_fill(~valid[:, :, None, None], 0.0)
+            for pool in (k_pool, v_pool))                                          # (B, T, Hkv, D) each
+    return q.reshape(B, Hkv, Hq // Hkv, D), k, v, valid
 
 
 def _eager_decode(q, k_pool, v_pool, block_table, seq_lens, scale):
-    B, Hq, D = q.shape
-    Hkv = k_pool.shape[2]
-    k, valid = gather_pages(k_pool, block_table, seq_lens)                      # (B, T, Hkv, D)
-    v, _ = gather_pages(v_pool, block_table, seq_lens)                          # (B, T, Hkv, D)
-    qg = q.float().reshape(B, Hkv, Hq // Hkv, D)                                # (B, Hkv, R, D)
-    scores = torch.einsum("bgrd,btgd->bgrt", qg, k.float()) * scale             # (B, Hkv, R, T)
+    qg, k, v, valid = _gather(q, k_pool, v_pool, block_table, seq_lens)
+    scores = torch.einsum("bgrd,btgd->bgrt", qg.float(), k.float()) * scale     # (B, Hkv, R, T)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     # A sequence with no tokens softmaxes over all -inf (NaN); the second mask turns that row into zeros.
     probs = scores.softmax(-1).masked_fill(~valid[:, None, None, :], 0.0)      # (B, Hkv, R, T)
     out = torch.einsum("bgrt,btgd->bgrd", probs, v.float())                     # (B, Hkv, R, D)
-    return out.reshape(B, Hq, D).to(q.dtype)
+    return out.reshape(q.shape).to(q.dtype)
 
 
 def _sdpa_decode(q, k_pool, v_pool, block_table, seq_lens, scale):
-    B, Hq, D = q.shape
-    Hkv = k_pool.shape[2]
-    k, valid = gather_pages(k_pool, block_table, seq_lens)                      # (B, T, Hkv, D)
-    v, _ = gather_pages(v_pool, block_table, seq_lens)
     # The R query heads sharing a KV head act as R query rows of one head: plain SDPA, no GQA expansion.
-    qg = q.reshape(B, Hkv, Hq // Hkv, D)                                        # (B, Hkv, R, D)
+    qg, k, v, valid = _gather(q, k_pool, v_pool, block_table, seq_lens)
     # An empty sequence attends to its (zeroed) slot 0: output 0 rather than NaN from an all-masked row.
     first = torch.arange(valid.shape[1], device=q.device) == 0                  # (T,)
     mask = (valid | first)[:, None, None, :]                                    # (B, 1, 1, T)
     out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          scale=scale)                           # (B, Hkv, R, D)
-    return out.reshape(B, Hq, D)
+    return out.reshape(q.shape)
 
-
-# ----------------------------------------------------------------------------------------------------
-# RoPE on the new token + store of its K/V into the cache.
-# ----------------------------------------------------------------------------------------------------
 
 def rope_store(backend: str, q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
     """Rotate q and k at `positions`, store rotated k and v at `slots`; returns rotated q (B, Hq, D).
-
-    The triton backend fuses it into one kernel; eager and sdpa use `rope_store_torch`.
-    """
+    The triton backend fuses it into one kernel; eager and sdpa use `rope_store_torch`."""
     _check_backend(backend)
     if backend == "triton":
         return torch.ops.minigrpo.rope_store(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
@@ -105,11 +89,9 @@ def rope_store(backend: str, q, k, v, k_pool, v_pool, positions, slots, cos, sin
 
 
 def rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
-    """Plain-PyTorch rope + cache store, numerically identical to the model's `apply_rope`.
-
-    q (B, Hq, D), k/v (B, Hkv, D); positions, slots (B,) int32 (slot = page * S + offset, < 0: skip);
-    cos/sin (max_pos, D) fp32 tables. Mutates k_pool and v_pool (P, S, Hkv, D).
-    """
+    """Plain-PyTorch rope + cache store, numerically identical to the model's `apply_rope`. q (B, Hq, D),
+    k/v (B, Hkv, D); positions, slots (B,) int32 (slot = page * S + offset, < 0: skip); cos/sin (max_pos, D)
+    fp32 tables. Mutates k_pool and v_pool (P, S, Hkv, D)."""
     check_rope_store_inputs(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
     # As the model does: fp32 tables cast to the activation dtype, then the rotation in that dtype.
     c = cos[positions][:, None, :].to(q.dtype)                                  # (B, 1, D)
@@ -120,12 +102,9 @@ def rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> tor
 
 
 def _store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """pool.view(P*S, Hkv, D)[slots[b]] = rows[b] wherever slots[b] >= 0, with static shapes.
-
-    A skipped row cannot just drop out (that would be a data-dependent shape), so it re-writes the first
-    real row's slot with that row's own data: duplicate indices then carry identical values, and the
-    scatter stays deterministic. With no real row at all, every row re-writes slot 0 with its current value.
-    """
+    """pool.view(P*S, Hkv, D)[slots[b]] = rows[b] wherever slots[b] >= 0, with static shapes: a skipped row
+    re-writes the first real row's slot with that row's data (duplicate indices carry identical values, so
+    the scatter is deterministic), or with no real row, slot 0 with its current value."""
     flat = pool.view(-1, *pool.shape[2:])                                       # (P*S, Hkv, D)
     real = slots >= 0                                                           # (B,)
     first_real = real.int().argmax()                                            # 0 if none is real

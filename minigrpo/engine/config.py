@@ -1,9 +1,4 @@
-"""`EngineConfig`: the rollout engine's settings, in one frozen dataclass.
-
-Its own module because two layers read it: the engine (`minigrpo/engine/engine.py`: batch buckets, KV budget,
-host syncs) and the runner below it (`minigrpo/engine/runner.py`: the graph boundaries `compile`, `cuda_graphs`,
-`sample_in_graph`, and the attention backend and sampler the step runs).
-"""
+"""`EngineConfig`: the rollout engine's settings, read by the engine and by the runner below it."""
 
 from __future__ import annotations
 

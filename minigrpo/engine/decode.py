@@ -1,16 +1,12 @@
-"""The inference side of the model: packed bf16 weights, batched prefill, and the decode step.
+"""The inference side of the model: packed weights, batched prefill, and the decode step.
 
-The engine's weights are laid out for inference: q/k/v fused into one matmul and gate/up into another,
-stacked over layers. `load_from` shares them with the trainer's policy when its parameters have the
-engine's dtype and device (`--weights bf16` on CUDA): each parameter becomes a view of the slice that
-holds it, so the optimizer updates the engine in place and there is nothing to copy or sync. Otherwise
-(fp32 master weights, sharded parameters) it copies and casts after each update. The buffers never move,
-so captured CUDA graphs, which hold buffer addresses, stay valid.
+Weights are laid out for inference: q/k/v fused into one matmul and gate/up into another, stacked over
+layers. When the policy's parameters have the engine's dtype and device (`--weights bf16` on CUDA),
+`load_from` makes each one a view of the slice that holds it, so the optimizer updates the engine in
+place; otherwise it copies after each update. The buffers never move, so captured CUDA graphs stay valid.
 
-`decode_step` is the unit that gets compiled and captured: embed -> layers (norm, qkv, RoPE + KV store,
-paged attention, o_proj, MLP) -> final norm -> LM head -> sampling -> per-slot bookkeeping. Every input
-has a static shape and every state update is an in-place write into a preallocated buffer, so replaying
-the step N times in a row needs nothing from the host.
+`decode_step` is the unit that gets compiled and captured: static shapes, and every state update an
+in-place write into a preallocated buffer, so it can replay N times in a row with nothing from the host.
 
 Shape legend: B batch slots, T prompt length, C hidden, H query heads, K kv heads, D head dim, F MLP width,
 V vocabulary, L layers, M block-table width, S page size, W output width (max_seq_len + 1; the last column
@@ -26,15 +22,13 @@ from torch.distributed.tensor import DTensor
 
 import kernels  # noqa: F401  (registers torch.ops.minigrpo.*)
 from minigrpo.engine.attention import decode_attention, rope_store
-from minigrpo.engine.kv_cache import write_slots
 from minigrpo.model.config import ModelConfig
 from minigrpo.model.qwen2 import Qwen2ForCausalLM, apply_rope, rms_norm, rope_cos_sin
 from minigrpo.model.sampling import SAMPLE_CHUNK, SamplingParams, sample
 
 
 class DecodeModel(nn.Module):
-    """Inference weights (buffers, not parameters: the engine never differentiates them; a policy sharing
-    them holds its own Parameters on the same memory)."""
+    """Inference weights, as buffers: the engine never differentiates them."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int):
         super().__init__()
@@ -42,19 +36,12 @@ class DecodeModel(nn.Module):
         L, C, H, K, D, Fw, V = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
                                 cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
         self.qkv_sizes = (H * D, K * D, K * D)
-
-        def buf(*shape):
-            return torch.empty(shape, dtype=dtype, device=device)
-        self.register_buffer("embed", buf(V, C))
-        self.register_buffer("ln1", buf(L, C))
-        self.register_buffer("w_qkv", buf(L, (H + 2 * K) * D, C))
-        self.register_buffer("b_qkv", buf(L, (H + 2 * K) * D))
-        self.register_buffer("w_o", buf(L, C, H * D))
-        self.register_buffer("ln2", buf(L, C))
-        self.register_buffer("w_gate_up", buf(L, 2 * Fw, C))
-        self.register_buffer("w_down", buf(L, C, Fw))
-        self.register_buffer("norm", buf(C))
-        self.register_buffer("lm_head", self.embed if cfg.tie_word_embeddings else buf(V, C))
+        shapes = {"embed": (V, C), "ln1": (L, C), "w_qkv": (L, (H + 2 * K) * D, C), "b_qkv": (L, (H + 2 * K) * D),
+                  "w_o": (L, C, H * D), "ln2": (L, C), "w_gate_up": (L, 2 * Fw, C), "w_down": (L, C, Fw),
+                  "norm": (C,), "lm_head": (V, C)}
+        for name, shape in shapes.items():
+            tied = name == "lm_head" and cfg.tie_word_embeddings
+            self.register_buffer(name, self.embed if tied else torch.empty(shape, dtype=dtype, device=device))
         # RoPE tables in fp32, cast at use: the same values the reference model computes per call.
         cos, sin = rope_cos_sin(torch.arange(max_positions, device=device), D, cfg.rope_theta, torch.float32)
         self.register_buffer("cos", cos)  # (max_positions, D)
@@ -63,9 +50,7 @@ class DecodeModel(nn.Module):
     @torch.no_grad()
     def load_from(self, model: Qwen2ForCausalLM, share: bool = True) -> None:
         """Take the policy's weights: shared where possible (module doc), else copied (and cast), in place.
-
-        A parameter already shared is skipped, so once shared this costs a data-pointer check per parameter;
-        one replaced since (assigned, moved, or shared with another engine) is copied in and shared again."""
+        A parameter already shared is skipped; one replaced since is copied in and shared again."""
         assert model.config == self.cfg, "policy and engine were built for different configs"
         pairs = self._views(model)
         share = share and all(type(p.data) is torch.Tensor and (p.dtype, p.device) == (v.dtype, v.device)
@@ -102,11 +87,8 @@ class DecodeModel(nn.Module):
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
                 k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> torch.Tensor:
         """Run right-padded prompts, write their K/V at `slots`, return each prompt's last-token logits.
-
         ids (B, T), lens (B,), slots (B, T) flat cache slots (page * S + offset; pads point at scratch).
-        Right padding keeps positions 0..len-1 natural, and causal attention never lets a real token see a
-        pad that follows it, so no mask is needed.
-        """
+        Right padding needs no mask: causal attention never lets a real token see a pad after it."""
         cfg = self.cfg
         B, T = ids.shape
         H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -120,7 +102,8 @@ class DecodeModel(nn.Module):
             q = apply_rope(q.view(B, T, H, D), cos, sin)                            # (B, T, H, D)
             k = apply_rope(k.view(B, T, K, D), cos, sin)                            # (B, T, K, D)
             v = v.view(B, T, K, D)
-            write_slots(k_pools[i], v_pools[i], flat_slots, k.reshape(-1, K, D), v.reshape(-1, K, D))
+            for pool, rows in ((k_pools[i], k), (v_pools[i], v)):                 # the K/V cache store
+                pool.view(-1, K, D).index_copy_(0, flat_slots, rows.reshape(-1, K, D))
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=True)     # (B, H, T, D)
             x = x + F.linear(y.transpose(1, 2).reshape(B, T, H * D), self.w_o[i])
@@ -156,8 +139,8 @@ SAMPLERS = ("torch", "triton")
 
 
 def sample_tokens(logits, params: SamplingParams, seed, ctr, sampler: str):
-    """The reference sampler, or for plain temperature sampling optionally the fused Triton kernel (the
-    same draw, one reduction pass over the logits). -> tokens (B,), log-probs (B,)."""
+    """The reference sampler, or for plain temperature sampling the fused Triton kernel (the same draw).
+    -> tokens (B,), log-probs (B,)."""
     if sampler == "triton" and not params.greedy and params.top_k == 0 and params.top_p == 1.0:
         return torch.ops.minigrpo.fused_sample(logits, seed, ctr, params.temperature, SAMPLE_CHUNK)
     return sample(logits, params, seed, ctr)
@@ -168,9 +151,8 @@ ANY_TOKEN, NO_STOP = -1, -3  # in a row of `stops`: pads a shorter sequence on t
 
 def ends_with_stop(out_tok, ctr, stops):
     """(B,) bool: whether each slot's first ctr output tokens end with one of the stop sequences.
-
-    out_tok (B, W), ctr (B,), stops (n_stop, L) int64: token sequences right-aligned and padded on the
-    left with ANY_TOKEN (a stop id is ANY_TOKEN x (L-1) then the id); unused rows hold NO_STOP."""
+    out_tok (B, W), ctr (B,), stops (n_stop, L) int64: sequences right-aligned, left-padded with ANY_TOKEN
+    (a stop id is ANY_TOKEN x (L-1) then the id); unused rows hold NO_STOP."""
     L = stops.shape[1]
     idx = ctr[:, None] - L + torch.arange(L, device=ctr.device)                      # (B, L) the last L columns
     last = out_tok.gather(1, idx.clamp(min=0)).masked_fill(idx < 0, -2)              # before the output: no token
@@ -179,11 +161,9 @@ def ends_with_stop(out_tok, ctr, stops):
 
 def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp,
             sampler: str = "torch") -> None:
-    """Sample each live slot's next token and update the slot state in place (no host sync).
-
-    tok/pos/ctr/seed/limit (B,) int64, done (B,) bool, stops (n_stop, L) int64 (`ends_with_stop`),
-    out_tok/out_logp (B, W). A finished slot keeps its state; its sample goes to the scratch column W-1.
-    """
+    """Sample each live slot's next token and update the slot state in place (no host sync): tok/pos/ctr/
+    seed/limit (B,) int64, done (B,) bool, stops (`ends_with_stop`), out_tok/out_logp (B, W).
+    A finished slot keeps its state; its sample goes to the scratch column W-1."""
     live = ~done
     new_tok, new_logp = sample_tokens(logits, params, seed, ctr, sampler)           # (B,), (B,)
     col = torch.where(live, ctr, out_tok.shape[1] - 1)[:, None]                     # (B, 1)

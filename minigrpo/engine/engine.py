@@ -4,21 +4,12 @@
     engine.load_weights(policy)                       # after every optimizer step (free when shared)
     rollout = engine.generate(prompts, samples_per_prompt=8, max_new_tokens=256, params=..., seeds=...)
 
-How a rollout runs:
-1. Admission: a prompt group enters when its worst-case pages fit the KV budget (shared full prompt pages
-   + G private tails); groups that do not fit wait until finished sequences return pages. Nothing is
-   ever evicted, so no work is lost; a group that can never fit is an error naming the budget.
-2. Prefill: each admitted prompt runs once; its K/V go straight into pages. The G samples share the full
-   pages (reference count G); the partial last page is copied into each sample's first private page.
-3. Decode: `decode_step` over a fixed-size bucket of slots, `sync_every` times in a row with no host
-   involvement: stop ids, stop token sequences and token budgets are tracked by on-device masks.
-4. Sync: the host reads the done mask once, returns finished sequences' pages, and compacts the
-   survivors to the front, so the next steps run at the smallest bucket that holds them. It reads the
-   mask as of the round's next-to-last step while the last step runs, so the GPU never waits on the
-   host; finished rows are gathered on the device and read once, when the rollout ends.
-
-Graph boundaries are configuration, not accident: `EngineConfig` sets them (`compile`, `cuda_graphs`,
-`sample_in_graph`), and `minigrpo/engine/runner.py` holds every place where they are drawn.
+A rollout runs in rounds. A prompt group is admitted when its worst-case pages fit the KV budget (nothing
+is ever evicted) and prefilled once; its G samples share the full prompt pages. Then `sync_every` decode
+steps run over a fixed-size bucket of slots with no host involvement (stops and budgets are on-device
+masks). At each sync the host reads the done mask (one step stale, so the GPU never waits), returns
+finished sequences' pages and compacts the survivors into the smallest bucket that holds them.
+`EngineConfig` sets the graph boundaries; `minigrpo/engine/runner.py` is where they are drawn.
 
 Shape legend: N sequences in a rollout (prompts x G), B bucket (batch slots), M block-table width, W output width.
 """
@@ -132,12 +123,9 @@ class Engine:
         return Rollout(tokens, logprobs)
 
     def _run_round(self, B: int, n: int, params: SamplingParams) -> list[bool]:
-        """`sync_every` decode steps on bucket B -> the done mask of the first n slots, one step stale.
-
-        The mask is copied after the next-to-last step and read while the last step runs: the GPU never
-        idles on this, the one host sync per round. A slot that finishes in the last step is collected
-        a round later; until then it is a done slot, which stores nothing. Even when every slot is already
-        done (first tokens were stops) the steps are harmless; checking first would cost another sync."""
+        """`sync_every` decode steps on bucket B -> the done mask of the first n slots, one step stale: it is
+        copied after the next-to-last step and read while the last runs, so the GPU never idles on this one
+        host sync per round. A slot finishing in the last step is collected a round later."""
         st = self.state
         self.runner.run(B, params, self.cfg.sync_every - 1)
         st.done_host[:n].copy_(st.done[:n], non_blocking=True)

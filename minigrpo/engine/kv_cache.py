@@ -1,17 +1,10 @@
-"""Paged KV cache: preallocated K and V pools (one (P, S, K, D) tensor per layer) and a page allocator.
+"""Paged KV cache: per-layer K and V pools of fixed-size pages, and a host-side page allocator.
 
-Memory is cut into pages of `page_size` token slots. A sequence owns a list of pages (its block table);
-attention reads its keys and values through that list, so sequences need no contiguous memory and
-pages can be shared. GRPO samples G completions of every prompt: the G sequences of a group share the
-prompt's full pages, counted by reference, and each owns only its copy of the prompt's partial last page
-plus the pages it generates into. A page returns to the free list when its last reference is released.
-
-Page 0 is never handed out: it is the scratch page that padded batch slots write into and that unused
-block-table entries point at, so a static-shape decode step never needs a branch for "no sequence here".
-A page id means the same page in every layer's pool.
-
-The allocator lives on the host (plain lists): pages are handed out when sequences are admitted, between
-decode steps, never inside the captured step.
+A sequence owns a list of pages (its block table), so it needs no contiguous memory and pages can be
+shared: the G samples of a prompt share its full pages, counted by reference, and each owns a copy of
+the partial last page plus the pages it generates into. Page 0 is never handed out: padded batch slots
+write into it and unused block-table entries point at it, so the static-shape decode step needs no
+branch for "no sequence here". Pages are handed out between decode steps, never inside the step.
 
 Shape legend: L layers, P pages, S page size (token slots per page), K kv heads, D head dim, N tokens.
 """
@@ -37,8 +30,7 @@ class KVCache:
         if num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is scratch), got {num_pages}")
         shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-        # One pool per layer, each its own allocation: the decode step mutates whole graph inputs, never views
-        # of a larger tensor, so torch.compile can write in place rather than copy a functionalised base.
+        # One allocation per layer: torch.compile then writes the step's graph inputs in place, not via copies.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]  # L x (P, S, K, D)
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]  # L x (P, S, K, D)
         self.page_size = page_size
@@ -48,8 +40,7 @@ class KVCache:
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+        return 2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
     @property
     def num_free(self) -> int:
@@ -87,10 +78,7 @@ class KVCache:
                 self._free.append(p)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Copy pages src[i] -> dst[i], K and V, all layers (partial prompt pages into samples' own pages).
-
-        One indexed copy per pool for the whole list: a loop of per-page copies was 2 x layers launches
-        per page, which at 8 prompts x 7 copies made the prefill several times slower than its forward."""
+        """Copy pages src[i] -> dst[i], K and V, all layers, in one indexed copy per pool."""
         assert len(src) == len(dst) and not set(src) & set(dst), "copy_pages: src and dst must pair up, disjoint"
         if not src:
             return
@@ -99,15 +87,3 @@ class KVCache:
         for pool in self.k + self.v:
             pool.index_copy_(0, d, pool.index_select(0, s))
 
-
-def write_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> None:
-    """Store the K/V of N tokens of one layer at flat slots (page * S + offset).
-
-    k_pool/v_pool (P, S, K, D) contiguous; slots (N,) int64; k/v (N, K, D) in the pool's dtype."""
-    assert k_pool.is_contiguous() and v_pool.is_contiguous(), "KV pools must be contiguous (P, S, K, D)"
-    assert slots.dim() == 1 and k.shape == v.shape == (slots.shape[0], *k_pool.shape[2:]), \
-        f"cache write: slots {tuple(slots.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, pool {tuple(k_pool.shape)}"
-    assert k.dtype == v.dtype == k_pool.dtype, f"cache holds {k_pool.dtype}, got {k.dtype} / {v.dtype}"
-    k_pool.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-    v_pool.view(-1, *v.shape[1:]).index_copy_(0, slots, v)

@@ -1,27 +1,18 @@
-"""Rollout backends: what generates the completions the trainer learns from.
-
-The trainer talks to a backend through two calls, the same ones `minigrpo.engine.engine.Engine` exposes:
+"""Rollout backends: what generates the completions the trainer learns from, behind two calls:
 
     generate(prompts, samples_per_prompt, max_new_tokens, params, stop_ids, seeds) -> Rollout
-    load_weights(model)      # the policy's current weights, after each update (the "weight sync")
+    load_weights(model)      # the policy's current weights, after each update
 
-`stop_ids` holds stop token ids, and token sequences (tuples) that end a completion too: the engine stops
-on them in its decode loop, an early exit for stop strings that the caller cuts at anyway (the reference
-generator ignores them). `seeds` holds one seed per completion (len(prompts) * samples_per_prompt),
-group-major like the result: with counter-based sampling a completion is a pure function of (weights,
-prompt, seed), so a rollout is reproducible whatever the batch composition, and an exact resume needs no
-sampler state.
+`stop_ids` holds stop token ids, and token sequences (tuples) on which the engine stops early (the
+caller cuts at the stop strings anyway; the reference generator ignores them). `seeds` holds one seed
+per completion, group-major like the result: a completion is a pure function of (weights, prompt, seed).
 
-`ReferenceBackend` runs `minigrpo.model.generate.generate` on the policy module itself: no KV cache, slow and
-obviously correct, the CPU backend. Since it *is* the policy, there is nothing to sync. The fast engine
-(`--attn eager|sdpa|triton`) shares the policy's memory when the policy is in the engine's dtype
-(`--weights bf16` on CUDA): its parameters become views of the engine's fused weights, so the sync is
-free. With fp32 master weights it keeps its own bf16 copy, refreshed after every update.
+`ReferenceBackend` runs `minigrpo.model.generate.generate` on the policy module itself (slow, obviously
+correct, nothing to sync). The fast engine (`--attn eager|sdpa|triton`) is `minigrpo.engine.engine.Engine`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Protocol
 
@@ -53,13 +44,11 @@ class ReferenceBackend:
         if len(seeds) != len(expanded):
             raise ValueError(f"need one seed per completion ({len(expanded)} = {len(prompts)} prompts x "
                              f"{samples_per_prompt} samples), got {len(seeds)}")
-        device = next(self.model.parameters()).device
-        amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-               else contextlib.nullcontext())
+        on_cuda = next(self.model.parameters()).device.type == "cuda"
         was_training = self.model.training
         self.model.eval()
         try:
-            with amp:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda):
                 ids = tuple(s for s in stop_ids if isinstance(s, int))  # token sequences: the engine's early exit
                 return generate(self.model, expanded, max_new_tokens, params=params, stop_ids=ids,
                                 pad_id=self.pad_id, seeds=list(seeds))
@@ -77,14 +66,10 @@ def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: st
                  max_batch: int | None = None, sampler: str | None = None) -> RolloutBackend:
     """The rollout backend for `--attn`: the reference generator, or the fast engine with that attention.
 
-    The engine holds bf16 weights on CUDA and fp32 on the CPU (where bf16 is slow and its rounding would
-    hide real mismatches). None picks the fastest measured setting on CUDA (bench/NOTES.md): the step
-    compiled (compile="step", about 35 s per batch bucket, once) and captured (cuda_graphs), with the fused
-    Triton sampler; on the CPU, the eager step and the reference sampler. max_seq_len (longest prompt +
-    completion) and max_batch (sequences decoded at once: a rollout's B x G) size the block tables and the
-    KV pool (max_batch x max_seq_len tokens, so no memory is held for sequences that never run); None
-    keeps the engine's defaults.
-    """
+    The engine runs bf16 on CUDA, fp32 on the CPU (where bf16 rounding would hide real mismatches). None
+    picks the fastest setting (bench/NOTES.md): on CUDA the compiled, captured step and the Triton sampler;
+    on the CPU the eager step and the reference sampler. max_seq_len and max_batch size the block tables
+    and the KV pool; None keeps the engine's defaults."""
     if attn not in ATTN_BACKENDS:
         raise ValueError(f"unknown attention backend {attn!r}; choose one of {ATTN_BACKENDS}")
     if attn == "reference":

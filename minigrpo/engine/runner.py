@@ -1,12 +1,11 @@
 """Where the engine's graph boundaries live: the per-slot state the decode step reads and writes, and the
 runner that turns the step and the prefill into callables under the engine's graph config.
 
-`compile` "step" wraps the whole decode step in torch.compile(fullgraph=True) (a graph break is an error,
-not a silent fallback); `cuda_graphs` captures that step, compiled or not, once per (bucket, sampling
-params), and the eager prefill once per padded shape; `sample_in_graph` puts sampling and the slot
-bookkeeping inside the step or runs them eagerly after it. Every captured graph shares one memory pool:
-they never run concurrently, and none keeps an output that another's replay could overwrite before it
-is read (the step writes into the slot state, which lives outside the pool; logits are consumed at once).
+`compile="step"` wraps the decode step in torch.compile(fullgraph=True); `cuda_graphs` captures that
+step, compiled or not, once per (bucket, sampling params), and the eager prefill once per padded shape;
+`sample_in_graph` puts sampling and the slot bookkeeping inside the step or runs them eagerly after it.
+All captured graphs share one memory pool: they never run concurrently, and no output of one is read
+after another replays (the step writes into the slot state, outside the pool; logits are read at once).
 
 Shape legend: B bucket (batch slots), M block-table width, W output width (max_seq_len + 1), n prompts
 in a prefill, T their padded length, V vocabulary.
@@ -56,21 +55,10 @@ class SlotState:
             t[:len(keep)] = t[keep]
         self.done[len(keep):n_before] = True
 
-    def snapshot(self) -> dict:
-        return {n: getattr(self, n).clone() for n in ("tok", "pos", "ctr", "done")}
-
-    def restore(self, saved: dict) -> None:
-        for n, t in saved.items():
-            getattr(self, n).copy_(t)
-
 
 def compile_like_eager(fn):
-    """torch.compile(fullgraph=True) that rounds as eager does.
-
-    emulate_precision_casts: Inductor would otherwise keep a fused kernel's intermediates in fp32 where
-    eager rounds each op's output to bf16 (the residual adds before a norm, say). Rounding as eager does
-    keeps compile=step on the eager numbers, so a bf16 greedy path does not depend on the mode; the casts
-    are free in kernels bound by memory."""
+    """torch.compile(fullgraph=True) that rounds each op's output as eager does (Inductor would keep fused
+    intermediates in fp32), so a bf16 greedy rollout does not depend on the compile mode."""
     return torch.compile(fn, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
 
 
@@ -134,9 +122,7 @@ class StepRunner:
 
     def units(self, B: int, params: SamplingParams):
         """(graphable unit, eager tail or None) for one decode step on slots [0, B); both take no arguments.
-
-        With sampling in the graph the unit is the whole step. Without, the unit computes the logits and
-        the tail samples and updates the slot state eagerly."""
+        With sampling in the graph the unit is the whole step; without, the tail samples eagerly."""
         m, kv, attn = self.model, self.kv, self.cfg.attn
         args = self.state.args(B)
         if self.cfg.sample_in_graph:
@@ -171,11 +157,12 @@ class StepRunner:
     def _capture(self, unit) -> torch.cuda.CUDAGraph:
         """Capture one step with every slot marked done, so the warm-up steps store nothing and move no
         live sequence; the live state is restored after."""
-        saved = self.state.snapshot()
+        saved = {n: getattr(self.state, n).clone() for n in ("tok", "pos", "ctr", "done")}
         self.state.done.fill_(True)
         graph = capture_graph(unit, self._pool)
         self._pool = graph.pool()
-        self.state.restore(saved)
+        for n, t in saved.items():
+            getattr(self.state, n).copy_(t)
         return graph
 
 

@@ -1,10 +1,8 @@
 """Load and save Hugging Face model directories (safetensors), with errors that name the problem.
 
-Loading builds the model on the meta device and assigns tensors read straight onto the target device in
-the target dtype, so a bf16 GPU model never exists as an fp32 copy in host memory. Saving writes a
-directory transformers loads as-is (`Qwen2ForCausalLM.from_pretrained`), atomically: everything goes
-into a temporary sibling directory that is renamed into place only when complete, so a crash mid-save
-never leaves a half-written checkpoint where a good one was.
+Loading builds the model on the meta device and reads each tensor straight onto the target device and
+dtype, so a bf16 GPU model never exists as an fp32 host copy. Saving writes a directory transformers
+loads as-is, atomically: into a temporary sibling renamed into place only when complete.
 """
 
 from __future__ import annotations
@@ -23,7 +21,8 @@ from minigrpo.model.qwen2 import Qwen2ForCausalLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+# Copied into a saved model from the directory it was loaded from, when there.
+COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 # Buffers some older checkpoints carry that this model recomputes instead of storing.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -107,9 +106,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
 
 def save_model(model: Qwen2ForCausalLM, out_dir: str | Path, *, tokenizer_dir: str | Path | None = None,
                dtype: torch.dtype | None = None, weights: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write an HF model directory atomically: model.safetensors, config.json, generation_config.json,
-    and the tokenizer files copied from `tokenizer_dir` (the directory the model was loaded from).
-    weights: the state dict to write (default: the model's own)."""
+    """Write an HF model directory atomically: model.safetensors, config.json, generation_config.json and
+    the tokenizer files of `tokenizer_dir`. weights: the state dict to write (default: the model's own)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"cannot save a model to {out_dir}: it exists and is not a directory")
@@ -125,16 +123,11 @@ def save_model(model: Qwen2ForCausalLM, out_dir: str | Path, *, tokenizer_dir: s
     tmp.mkdir(parents=True)
     save_file(state, tmp / SINGLE_FILE, metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(str(saved_dtype).removeprefix("torch.")), indent=2))
-    gen_cfg = Path(tokenizer_dir) / "generation_config.json" if tokenizer_dir else None
-    if gen_cfg is not None and gen_cfg.is_file():
-        shutil.copy2(gen_cfg, tmp / gen_cfg.name)
-    else:
-        gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id)) if v is not None}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).is_file():
-                shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
+    gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id)) if v is not None}
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))  # unless the source has its own
+    for name in COPIED_FILES if tokenizer_dir is not None else ():
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
     replace_dir(tmp, out_dir)
     return out_dir
 

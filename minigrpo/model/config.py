@@ -1,9 +1,8 @@
 """Model configuration, read from a Hugging Face `config.json`.
 
-Only the fields the Qwen2 architecture here actually uses are kept. Every other setting that would change
-the computation (sliding-window attention, RoPE scaling, another activation, another model type) is rejected
-with a clear error instead of being silently ignored: a model that loads but computes something else is the
-worst kind of bug in RL, where it shows up only as a reward curve that is a little off.
+Only the fields this Qwen2 implementation uses are kept. Any other setting that would change the
+computation (sliding window, RoPE scaling, another activation or model type) is an error, not ignored:
+a model that loads but computes something else shows up in RL only as a reward curve a little off.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Reference generation: the simplest correct decoder, the yardstick for the fast rollout engine.
 
-No KV cache: every step runs the full forward over the left-padded batch and takes the last position's
-logits. That is quadratic in length and slow, and that is the point: there is no cache, paging or graph
-capture in which a bug could hide. The engine must reproduce its greedy tokens exactly (fp32, CPU).
-Sampling goes through the same `minigrpo.model.sampling.sample` as the engine, with the same per-sequence seeds,
-so sampled rollouts can be compared too.
+No KV cache: every step runs the full forward over the left-padded batch, so no cache, paging or graph
+capture can hide a bug. The engine must reproduce its greedy tokens exactly (fp32, CPU), and with the
+same `sample` and per-sequence seeds, its sampled ones too.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from minigrpo.model.qwen2 import Qwen2ForCausalLM
 from minigrpo.model.sampling import GREEDY, SamplingParams, sample
@@ -28,12 +27,9 @@ def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     """Token lists -> (ids, attention_mask), both (B, T), padded on the left."""
     if not seqs or any(len(s) == 0 for s in seqs):
         raise ValueError("every prompt must hold at least one token")
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), T), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, T - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, T - len(s):] = 1
+    rows = [torch.tensor(s, dtype=torch.long) for s in seqs]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id, padding_side="left")
+    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left")
     return ids.to(device), mask.to(device)
 
 
@@ -42,16 +38,14 @@ def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: 
              params: SamplingParams = GREEDY, stop_ids: tuple[int, ...] = (), pad_id: int = 0,
              seeds: list[int] | None = None) -> Rollout:
     """A completion for each prompt: up to max_new_tokens tokens, ending with the first stop id if one is drawn.
-
     For G samples of a prompt, pass the prompt G times with G different seeds."""
     device = next(model.parameters()).device
-    ids, mask = left_pad(prompts, pad_id, device)                                     # (B, T)
+    ids, mask = left_pad(prompts, pad_id, device)                                     # (B, T) prompts
     if len({len(p) for p in prompts}) == 1:
         mask = None  # nothing is padded: the fused causal attention kernels apply (what transformers runs)
-    B = ids.shape[0]
+    B, T = ids.shape
     seeds_t = torch.tensor(seeds if seeds is not None else [0] * B, dtype=torch.long, device=device)
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
-    out = torch.empty((B, 0), dtype=torch.long, device=device)
     out_logp = torch.empty((B, 0), dtype=torch.float32, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
@@ -59,7 +53,6 @@ def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: 
         counters = torch.full((B,), step, dtype=torch.long, device=device)
         tok, logp = sample(logits, params, seeds_t, counters)                         # (B,)
         tok = torch.where(done, pad_id, tok)
-        out = torch.cat([out, tok[:, None]], dim=1)
         out_logp = torch.cat([out_logp, logp[:, None]], dim=1)
         done |= torch.isin(tok, stops)
         ids = torch.cat([ids, tok[:, None]], dim=1)
@@ -68,7 +61,7 @@ def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: 
         if bool(done.all()):
             break
     tokens, logprobs = [], []
-    for row, row_logp in zip(out.tolist(), out_logp.tolist()):
+    for row, row_logp in zip(ids[:, T:].tolist(), out_logp.tolist()):
         cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
         tokens.append(row[:cut])
         logprobs.append(row_logp[:cut])

@@ -1,14 +1,9 @@
 """The Qwen2 / Qwen2.5 decoder: the reference forward over full (optionally left-padded) sequences.
 
-This is the model the trainer differentiates and the yardstick the fast rollout engine is checked against.
-It favours plain, obviously-correct code over speed: one forward over whole sequences, SDPA attention
-with an explicit mask, no KV cache. Parameter names are exactly Hugging Face's (`model.layers.0.self_attn.
-q_proj.weight`, ...), so a state dict moves between this model, safetensors files and transformers with
-no rename table.
-
-Numerics follow the Hugging Face implementation op for op (RMSNorm in fp32 then cast back before the
-weight, RoPE tables in fp32 then cast to the activation dtype), so bf16 logits agree closely, not just
-approximately.
+The model the trainer differentiates, and the yardstick the rollout engine is checked against: plain code,
+SDPA attention with an explicit mask, no KV cache. Parameter names are Hugging Face's, so a state dict
+moves between this model, safetensors files and transformers with no rename table. Numerics follow HF op
+for op (RMSNorm in fp32, cast back before the weight; RoPE tables in fp32, cast to the activation dtype).
 
 Shape legend: B batch, T sequence length, C hidden size, H query heads, K key/value heads,
 D head dim, F MLP width, V vocabulary.
@@ -73,10 +68,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
         cos, sin = cos[:, None], sin[:, None]                                           # (B, 1, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if mask is None:  # no padding: the fused causal kernels apply
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, D)
+        # (B, H, T, D); with no mask (no padding) the fused causal kernels apply
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -101,9 +94,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, mask, recompute: bool = False):
-        """recompute: keep only the inputs for backward and run the layer again there (activation
-        checkpointing). Done here, inside the layer, so that a compiled layer compiles the recomputation into
-        its own backward graph: no separate recompute call, and the recomputed values never go to memory."""
+        """recompute: activation checkpointing, inside the layer so that a compiled layer compiles the
+        recomputation into its own backward graph."""
         if recompute:
             return torch.utils.checkpoint.checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
         return self._forward(x, cos, sin, mask)
@@ -140,12 +132,10 @@ class Qwen2ForCausalLM(nn.Module):
                       positions: torch.Tensor | None = None, checkpoint_layers: bool = False) -> torch.Tensor:
         """Final-norm hidden states, (B, T) -> (B, T, C). The trainer applies the LM head in chunks itself.
 
-        attention_mask (B, T): 1 for real tokens, 0 for padding (left padding expected). Positions default to
-        the count of real tokens before each one, so a left-padded row computes exactly what it computes alone.
-        checkpoint_layers: when gradients are recorded, keep only each layer's input and recompute the layer
-        in backward (activation checkpointing): activation memory drops from ~20 tensors per layer to one,
-        for one more forward pass. The gradients are the same.
-        """
+        attention_mask (B, T): 1 for real tokens, 0 for left padding. Positions default to the count of real
+        tokens before each one, so a left-padded row computes exactly what it computes alone.
+        checkpoint_layers: with gradients on, recompute each layer in backward (one tensor kept per layer,
+        not ~20, for one more forward pass; the same gradients)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -168,8 +158,7 @@ class Qwen2ForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)                                            # (B, T, C)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)         # (B, T, D)
         for t in (x, cos, sin):  # compiled layers (the trainer's): one graph for every B and T; eager: a no-op
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-            torch._dynamo.maybe_mark_dynamic(t, 1)
+            torch._dynamo.maybe_mark_dynamic(t, [0, 1])
         recompute = checkpoint_layers and torch.is_grad_enabled()
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, recompute)
@@ -182,10 +171,8 @@ class Qwen2ForCausalLM(nn.Module):
 
 @torch.no_grad()
 def init_weights(model: Qwen2ForCausalLM, generator: torch.Generator, std: float = 0.02) -> None:
-    """Random initialisation as transformers does it (normal(0, initializer_range), zero biases, unit norms).
-
-    The generator is explicit so a random model is reproducible. Runs on the model's device and dtype.
-    """
+    """Random initialisation as transformers does it (normal(0, std), zero biases, unit norms), reproducible
+    from `generator`."""
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             if module is model.lm_head and model.config.tie_word_embeddings:

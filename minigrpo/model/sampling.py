@@ -1,25 +1,18 @@
 """Token sampling on the device: greedy, temperature, top-k, top-p, with no host synchronisation.
 
-Randomness is counter-based: the noise for a sequence's n-th token is a hash of (that sequence's seed, n,
-an index). So a sequence's samples do not depend on which other sequences share its batch, where it sits
-in the batch, or whether the engine compacted the batch since the last step: a rollout is reproducible
-from its seeds alone. The hash is plain integer tensor arithmetic, so it runs inside
+Randomness is counter-based: the noise for a sequence's n-th token is a hash of (its seed, n, an index),
+so a sample does not depend on the rest of the batch or on where the sequence sits in it: a rollout is
+reproducible from its seeds alone. The hash is integer tensor arithmetic, so it runs inside
 torch.compile(fullgraph=True) and CUDA graphs, where a `torch.Generator` per sequence could not.
 
 A draw from softmax(x), x = logits / T, takes two levels:
-  1. A chunk. The vocabulary is cut into chunks of SAMPLE_CHUNK consecutive indices (the last one partial),
-     and a chunk is drawn by inverse CDF over the chunks' softmax masses w_c, with one uniform per row:
-     the noise at index M31, which no vocabulary index reaches.
-  2. A token in that chunk, by the Gumbel-max trick: argmax_i of x_i + Gumbel noise, with the noise at
-     the token's vocabulary index, is a draw from softmax restricted to the chunk.
-P(i) = P(chunk) * P(i | chunk) = (w_c / sum w) * (p_i / w_c) = p_i: exact. Why two levels: Gumbel-max over
-the whole vocabulary costs a hash and two logs per token, which made the fused kernel (kernels/sample.py)
-bound by arithmetic; with two levels, its pass over every logit is a plain max / sum-of-exp reduction,
-bound by memory, and the hash and logs run on one chunk per row. Precision: the chunk level resolves
-masses down to about 2^-23 of the total (the uniform has 23 bits, the masses are fp32); within a chunk,
-Gumbel's log-space comparisons keep even tiny probabilities exact relative to their chunk's mass.
-The chunk size is a constant, not tuned to the batch or the GPU, so that a sequence's draw stays a
-function of its seeds alone.
+  1. A chunk of SAMPLE_CHUNK consecutive indices, by inverse CDF over the chunks' softmax masses w_c,
+     with one uniform per row (the noise at index M31, which no vocabulary index reaches).
+  2. A token in that chunk, by Gumbel-max with the noise at the token's vocabulary index.
+P(i) = (w_c / sum w) * (p_i / w_c) = p_i: exact. Two levels keep the fused kernel's (kernels/sample.py)
+pass over every logit a plain max / sum-of-exp reduction, bound by memory; the hash and logs run on one
+chunk per row. The chunk level resolves masses down to about 2^-23 of the total. The chunk size is a
+constant, so that a draw stays a function of the seeds alone.
 
 Shape legend: B sequences, V vocabulary, NC = ceil(V / SAMPLE_CHUNK) chunks, C = SAMPLE_CHUNK.
 """
@@ -59,10 +52,7 @@ SAMPLE_CHUNK = 4096      # indices per chunk of the two-level draw; a power of t
 
 def mix31(x: torch.Tensor) -> torch.Tensor:
     """An integer hash on int64 tensors holding values in [0, 2^31) (lowbias32's shape, 31-bit constants).
-
-    Every product stays below 2^62 and every literal fits in int32, so the arithmetic is exact and the
-    same in eager PyTorch and in Inductor's C++ and Triton code, whatever index width Inductor picks
-    (signed overflow would be undefined behaviour there, and Triton rejects wider literals in int32 math)."""
+    Products stay below 2^62 and literals fit int32, so eager, Inductor C++ and Triton all compute it exactly."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & M31
     x = x ^ (x >> 15)

@@ -1,16 +1,12 @@
 """Qwen2.5 tokenizer: byte-level BPE from `tokenizer.json` plus the chat template in plain Python.
 
-Why not `transformers.AutoTokenizer`: the package must not import transformers at run time. The BPE itself
-is the Rust `tokenizers` library reading the published `tokenizer.json` (exactly what transformers wraps),
-so encode/decode are bit-identical. The only thing transformers adds on top is the Jinja chat template;
-`render_chat` re-implements the Qwen2.5 template for plain system/user/assistant conversations (no tools)
-and tests/test_tokenizer.py checks it against `apply_chat_template` id for id.
+The package must not import transformers at run time. The BPE is the Rust `tokenizers` library reading
+the published `tokenizer.json` (what transformers wraps), so encode/decode are bit-identical; `render_chat`
+re-implements the Qwen2.5 Jinja chat template for plain system/user/assistant turns (no tools), checked
+against `apply_chat_template` id for id in tests/test_tokenizer.py.
 
-Stop tokens come from `generation_config.json` (what the model was tuned to end a turn with:
-`<|im_end|>` and `<|endoftext|>` for Qwen2.5-Instruct), not just the single `eos_token`.
-
-Note: the tokenizer knows 151,665 tokens, while the model's embedding has 151,936 rows (padded for
-efficiency). Ids in the padding range are never produced by `encode` and are dropped by `decode`.
+Stop tokens come from `generation_config.json` (`<|im_end|>` and `<|endoftext|>` for Qwen2.5-Instruct).
+The model's embedding has more rows than the tokenizer has tokens; `decode` drops ids in that padding.
 """
 
 from __future__ import annotations
@@ -39,11 +35,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}); delete it and re-download. {_DOWNLOAD_HINT}") from None
-
-
-def _token_content(entry: str | Mapping[str, Any] | None) -> str | None:
-    # tokenizer_config.json spells a special token either as "<|x|>" or as {"content": "<|x|>", ...}.
-    return entry.get("content") if isinstance(entry, Mapping) else entry
 
 
 def _as_id_list(ids: Any, what: str) -> list[int]:
@@ -75,51 +66,38 @@ class Tokenizer:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if not (path / name).is_file():
                 raise FileNotFoundError(f"{path / name} is missing (the directory is incomplete). {_DOWNLOAD_HINT}")
-
         try:
             bpe = _BPE.from_file(str(path / "tokenizer.json"))
         except Exception as e:  # the Rust side raises a bare Exception for any parse error
-            raise ValueError(
-                f"{path / 'tokenizer.json'} could not be parsed ({e}); re-download it. {_DOWNLOAD_HINT}"
-            ) from None
-
+            raise ValueError(f"{path / 'tokenizer.json'} could not be parsed ({e}); re-download it. "
+                             f"{_DOWNLOAD_HINT}") from None
         config = _read_json(path / "tokenizer_config.json")
         _check_added_tokens_agree(bpe, config, path)
         template = config.get("chat_template")
         if isinstance(template, str) and hashlib.sha256(template.encode()).hexdigest() != _QWEN25_TEMPLATE_SHA256:
-            warnings.warn(
-                f"{path / 'tokenizer_config.json'} has a chat template different from Qwen2.5's; "
-                "render_chat/encode_chat still produce Qwen2.5-formatted prompts, which this model may not expect",
-                stacklevel=2,
-            )
-
-        def id_of(token: str | None) -> int | None:
-            return None if token is None else bpe.token_to_id(token)
-
+            warnings.warn(f"{path / 'tokenizer_config.json'} has a chat template different from Qwen2.5's; "
+                          "render_chat/encode_chat still produce Qwen2.5-formatted prompts, which this model may "
+                          "not expect", stacklevel=2)
         gen_path = path / "generation_config.json"
         gen = _read_json(gen_path) if gen_path.is_file() else {}
-        eos_id = id_of(_token_content(config.get("eos_token")))
 
+        def id_of(token: str | Mapping[str, Any] | None) -> int | None:
+            # tokenizer_config.json spells a special token either "<|x|>" or {"content": "<|x|>", ...}
+            token = token.get("content") if isinstance(token, Mapping) else token
+            return None if token is None else bpe.token_to_id(token)
+
+        eos_id = id_of(config.get("eos_token"))
+        # Without a generation config: the declared eos plus the turn and document terminators Qwen emits.
         stop = gen.get("eos_token_id")
-        if stop is None:
-            # No generation config: the declared eos plus the two turn/document terminators Qwen emits.
-            stop = [eos_id, id_of(IM_END), id_of(ENDOFTEXT)]
-        stop_ids = [stop] if isinstance(stop, int) else list(stop)
-        stop_ids = list(dict.fromkeys(i for i in stop_ids if i is not None))  # dedupe, keep order
+        stop = [eos_id, id_of(IM_END), id_of(ENDOFTEXT)] if stop is None else stop
+        stop_ids = list(dict.fromkeys(i for i in ([stop] if isinstance(stop, int) else stop) if i is not None))
         if not stop_ids:
-            raise ValueError(
-                f"no stop token found in {path}: tokenizer_config.json has no eos_token, there is no "
-                f"generation_config.json eos_token_id, and neither {IM_END} nor {ENDOFTEXT} is in the vocabulary"
-            )
-        if eos_id is None:
-            eos_id = stop_ids[0]
-
+            raise ValueError(f"no stop token found in {path}: tokenizer_config.json has no eos_token, there is no "
+                             f"generation_config.json eos_token_id, and neither {IM_END} nor {ENDOFTEXT} is in "
+                             "the vocabulary")
+        eos_id = stop_ids[0] if eos_id is None else eos_id
         # Pad only fills positions that are masked out, so any valid id works; prefer the declared one.
-        pad_id = id_of(_token_content(config.get("pad_token")))
-        if pad_id is None:
-            pad_id = gen.get("pad_token_id")
-        if pad_id is None:
-            pad_id = eos_id
+        pad_id = next((i for i in (id_of(config.get("pad_token")), gen.get("pad_token_id")) if i is not None), eos_id)
         return cls(bpe, eos_id=eos_id, pad_id=pad_id, stop_ids=stop_ids)
 
     @property
@@ -139,8 +117,7 @@ class Tokenizer:
 
     def batch_decode(self, batch: Iterable[Sequence[int]] | Any, skip_special_tokens: bool = True) -> list[str]:
         """A batch of id sequences (list of lists or 2-D tensor) -> list of texts."""
-        rows = batch.tolist() if hasattr(batch, "tolist") else list(batch)
-        rows = [_as_id_list(row, "batch_decode") for row in rows]
+        rows = [_as_id_list(row, "batch_decode") for row in batch]
         return self._bpe.decode_batch(rows, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -172,20 +149,18 @@ class Tokenizer:
 def _check_added_tokens_agree(bpe: _BPE, config: Mapping[str, Any], path: Path) -> None:
     """tokenizer_config.json and tokenizer.json must map special tokens to the same ids (same model's files)."""
     for str_id, entry in config.get("added_tokens_decoder", {}).items():
-        content = _token_content(entry)
+        content = entry.get("content") if isinstance(entry, Mapping) else entry
         if bpe.token_to_id(content) != int(str_id):
-            raise ValueError(
-                f"{path}: tokenizer_config.json maps {content!r} to id {str_id} but tokenizer.json maps it to "
-                f"{bpe.token_to_id(content)}; the two files come from different models. {_DOWNLOAD_HINT}"
-            )
+            raise ValueError(f"{path}: tokenizer_config.json maps {content!r} to id {str_id} but tokenizer.json maps "
+                             f"it to {bpe.token_to_id(content)}; the two files come from different models. "
+                             f"{_DOWNLOAD_HINT}")
 
 
 def _validate_messages(messages: Any) -> None:
     """Reject what the plain-Python template does not cover, with a message saying what is wrong."""
-    if isinstance(messages, Mapping) or isinstance(messages, str) or not isinstance(messages, Sequence):
-        raise ValueError(
-            f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}"
-        )
+    if isinstance(messages, (Mapping, str)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
+                         f"got {type(messages).__name__}")
     if len(messages) == 0:
         raise ValueError("messages is empty: a chat needs at least one message")
     for i, m in enumerate(messages):
@@ -193,14 +168,10 @@ def _validate_messages(messages: Any) -> None:
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
         role = m.get("role")
         if role == "tool" or m.get("tool_calls"):
-            raise ValueError(
-                f"messages[{i}] uses tools (role 'tool' or 'tool_calls'), which render_chat does not support; "
-                "only plain system/user/assistant turns are rendered"
-            )
+            raise ValueError(f"messages[{i}] uses tools (role 'tool' or 'tool_calls'), which render_chat does not "
+                             "support; only plain system/user/assistant turns are rendered")
         if role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}] has unknown role {role!r}; expected one of {CHAT_ROLES}")
         if not isinstance(m.get("content"), str):
-            raise ValueError(
-                f"messages[{i}] content must be a str, got {type(m.get('content')).__name__} "
-                "(multimodal/list content and missing content are not supported)"
-            )
+            raise ValueError(f"messages[{i}] content must be a str, got {type(m.get('content')).__name__} "
+                             "(multimodal/list content and missing content are not supported)")

@@ -1,16 +1,12 @@
-"""Question/answer data (`--task`): any jsonl with a question and an answer field, or GSM8K and MATH from
-the Hugging Face Hub.
+"""Question/answer data (`--task`): a jsonl of question/answer records, or GSM8K and MATH from the Hub.
 
-A source names a record's two fields and how its reference final answer is read from the answer field:
-    gsm8k  openai/grade-school-math: "question", "answer", a worked solution ending "#### <number>"
-    math   MATH (Hendrycks et al.): "problem", "solution", the final answer in its last \\boxed{}. From the
-           Hub: train DigitalLearningGmbH/MATH-lighteval (7,500 problems), test HuggingFaceH4/MATH-500 (the
-           500-problem test subset the Dr. GRPO paper reports)
-    jsonl  your file: --question-field / --answer-field (default "question" / "answer"); the answer field
-           is the final answer itself (a string or a number)
-Every record is checked at load time; a bad one (not JSON, a missing or empty field, an answer no
-completion could match) is reported with its file and line. Local jsonl needs no extra dependency;
-parquet files from the Hub need pyarrow (`minigrpo[hub-data]`).
+A source names a record's two fields and where its final answer is in the answer field:
+    gsm8k  "question", "answer": a worked solution ending "#### <number>"
+    math   "problem", "solution": the final answer in its last \\boxed{}. Hub: train
+           DigitalLearningGmbH/MATH-lighteval, test HuggingFaceH4/MATH-500 (the Dr. GRPO paper's test set)
+    jsonl  your file: --question-field / --answer-field; the answer field is the final answer itself
+Every record is checked at load time; a bad one is reported with its file and line. Hub parquet files
+need pyarrow (`minigrpo[hub-data]`).
 """
 
 from __future__ import annotations
@@ -148,9 +144,8 @@ def _download(repo: str, file: str, split: str, fields, final: str, numeric: boo
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise ImportError(
-                f"Reading {repo} from the Hub needs pyarrow: `pip install pyarrow` (or `pip install -e "
-                f"'.[hub-data]'`), or pass a local jsonl with --{split}-data FILE.") from None
+            raise ImportError(f"Reading {repo} from the Hub needs pyarrow: `pip install pyarrow` (or `pip install "
+                              f"-e '.[hub-data]'`), or pass a local jsonl with --{split}-data FILE.") from None
     from huggingface_hub import hf_hub_download
 
     try:

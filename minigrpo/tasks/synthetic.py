@@ -1,25 +1,16 @@
 """Offline, verifiable toy tasks, their tiny tokenizer and a tiny random policy: RL on CPU in a minute.
 
-The smoke task (`FirstDigitTask`): the prompt is a few random digits followed by "=", e.g. "4071=". The
-answer is the FIRST digit, then the end-of-sequence token: "4<eos>". Reward 1.0 for exactly that, 0.5 for
-the right digit without stopping right after it, 0 otherwise (the partial credit gives a random policy,
-which is right ~1/13 of the time, enough signal in every batch; `correct` counts only exact answers).
+`FirstDigitTask` (the smoke task): prompt "4071=", answer the first digit then <eos>, "4<eos>". Reward
+1.0 for exactly that, 0.5 for the right digit not followed by the stop, 0 otherwise: a random policy is
+right ~1/13 of the time, so every batch has signal. The first digit, not the last, because a random model
+tends to repeat its last input token; fetching position 0 has to be learned by attention.
 
-Why the first digit and not the last: the prompt always ends with "=", and a tied-embedding random model
-already tends to repeat its last input token, so a task rewarding that would be learned before training
-starts. Retrieving position 0 from the "=" position has to be learned by attention. The policy here is
-untied anyway, so it starts near uniform.
+`CopyTask` (`--preset learn`): the same prompts, answered with all the digits then <eos>: "407=" ->
+"407<eos>". Several tokens, so the engine's decode loop, KV cache and multi-step sampling all shape what
+is learned. Reward: the fraction of positions right (over the longer of answer and completion), 1.0 only
+for the exact answer; with 3 digits the digits alone score 0.75, so passing 0.8 takes the stop too.
 
-The learning check's task (`CopyTask`, `--preset learn`): the same prompts, answered with all the digits,
-then <eos>: "407=" -> "407<eos>". Several tokens, so the engine's decode loop, KV cache and multi-step
-sampling all shape what the trainer learns from, and each token is sampled from the policy that wrote the
-ones before it. The reward is the fraction of the answer's positions right (over the longer of answer and
-completion): a random policy earns ~1/13, every batch has signal, and the curve rises position by
-position instead of jumping; 1.0 only for the exact answer. With 3 digits, the digits alone score at most
-0.75: passing 0.8 takes the stop too.
-
-`CharTokenizer` duck-types what the trainer uses of `minigrpo.model.tokenizer.Tokenizer`: encode, decode,
-stop_ids, pad_id, eos_id, vocab_size.
+`CharTokenizer` duck-types what the trainer uses of `minigrpo.model.tokenizer.Tokenizer`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Tasks: the prompts to train or evaluate on, what ends a completion, and its verifiable reward.
 
-The trainer sees a task only through this small interface, so question/answer data under any template
-(`QATask`) and the offline synthetic tasks (`minigrpo.tasks.synthetic`) are interchangeable:
-
-    len(task)                                  number of examples
-    task.prompt(i) -> list[int]                the prompt's token ids (template already applied)
-    task.stops -> Stops                        stop token ids for the backend, stop strings cut on the host
-    task.score(i, completion_ids) -> (reward, correct)
-    task.describe(i) -> dict                   what a human needs to read a logged sample (question, answer)
-
-`correct` is the exact-answer flag behind the accuracy metric; the reward may give partial credit.
-
-`prompt_budget` checks, at load time, that every prompt fits the model with its completion budget.
+The trainer sees a task only through `Task`, so question/answer data under any template (`QATask`) and
+the synthetic tasks (`minigrpo.tasks.synthetic`) are interchangeable.
 """
 
 from __future__ import annotations
@@ -24,15 +14,16 @@ from minigrpo.tasks.verifier import REWARD_MODES, reward
 
 
 class Task(Protocol):
-    stops: Stops
+    stops: Stops  # stop token ids for the backend, stop strings cut on the host
 
     def __len__(self) -> int: ...
 
-    def prompt(self, i: int) -> list[int]: ...
+    def prompt(self, i: int) -> list[int]: ...  # the prompt's token ids, template applied
 
+    # (reward, correct): correct is the exact-answer flag behind accuracy; the reward may give partial credit
     def score(self, i: int, completion_ids: Sequence[int]) -> tuple[float, bool]: ...
 
-    def describe(self, i: int) -> dict: ...
+    def describe(self, i: int) -> dict: ...  # what a human needs to read a logged sample
 
 
 class QATask:
@@ -80,11 +71,8 @@ def load_task(task: str, split: str, tokenizer, *, path=None, template: str = "c
 def prompt_budget(tasks: Sequence[tuple[Task, int]], max_positions: int, max_new_tokens: int,
                   limit: int | None = None) -> int:
     """The prompt budget in tokens: `limit` (--max-prompt-tokens), by default the longest prompt used.
-
-    `tasks` pairs each task with how many of its first examples the run uses. Every one of those prompts
-    must fit the budget, and the budget plus `max_new_tokens` the model's positions: a longer prompt is
-    refused now, naming how many there are and where the longest is, never truncated or dropped silently
-    (the run trains on exactly the data it was given)."""
+    `tasks` pairs each task with how many of its first examples the run uses. A prompt over the budget
+    is an error now, never truncated or dropped silently."""
     room = max_positions - max_new_tokens
     if room < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "

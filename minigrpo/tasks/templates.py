@@ -1,29 +1,26 @@
 """Prompt templates (`--template`), and the stops that end a completion.
 
-A template says how a question becomes prompt ids (a chat or plain text), which strings end a
-completion besides the tokenizer's stop tokens, and where the answer is read from:
+A template says how a question becomes prompt ids, which strings end a completion besides the
+tokenizer's stop tokens, and where the answer is read from:
 
     chat       the Qwen2.5 chat template, one user turn: the question and the Qwen2.5-Math instruction
-    r1         DeepSeek-R1-Zero's plain-text template, as the Dr. GRPO paper's code (understand-r1-zero,
-               on oat) trains base models with it: reasoning in <think>, the answer in <answer>, and the
-               completion ends at "</answer>"; the answer counts only in the paper's strict format
+    r1         DeepSeek-R1-Zero's plain-text template as the Dr. GRPO paper's code (understand-r1-zero)
+               uses it: reasoning in <think>, the answer in <answer>, ending at "</answer>"
     qwen-math  the chat template with the Qwen2.5-Math chain-of-thought system prompt, answer in \\boxed{}
     none       the bare question, as plain text
 
 The template strings are the published ones, character for character (tests/test_templates.py).
 
-Stop strings. The rollout backends stop in their decode loop on stop token ids only. A string such as
-"</answer>" is several tokens, tokenised differently by context ("</" or ".</", ">" or ">\\n"), so no
-token id catches it: `Stops.cut` finds it in the decoded text, on the host, once per rollout, and drops
-the tokens after the one that completes it. Both backends decode the same tokens, so they return the same
-cut completions; the dropped tokens get no reward and no loss. So that a completion does not decode on to
-the budget, the engine also stops in its decode loop on the string's common tokenisations
-(`stop_sequences`): an early exit, exact because each one's text holds the string, so the cut on the host
-lands on that same last token. A rarer tokenisation decodes on, and is cut all the same.
+Stop strings: a string such as "</answer>" tokenises differently by context, so no token id catches it.
+`Stops.cut` finds it in the decoded text on the host and drops the tokens after the one completing it.
+So that a completion does not decode on to the budget, the engine also stops on the string's common
+tokenisations (`stop_sequences`): each one's text holds the string, so the host's cut lands on the same
+token. A rarer tokenisation decodes on and is cut all the same.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -77,11 +74,8 @@ class Stops:
         tokens = list(tokens)
         n = next((i + 1 for i, t in enumerate(tokens) if t in self.ids), len(tokens))
         if self.strings and self._holds_string(tokens[:n]):
-            lo, hi = 1, n  # the shortest prefix whose text holds a stop string: its last token completes one
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if self._holds_string(tokens[:mid]) else (mid + 1, hi)
-            return lo, True
+            # The shortest prefix whose text holds a stop string: its last token completes one.
+            return 1 + bisect.bisect_left(range(1, n), True, key=lambda k: self._holds_string(tokens[:k])), True
         return n, n > 0 and tokens[n - 1] in self.ids
 
     def _holds_string(self, tokens: list[int]) -> bool:
@@ -118,18 +112,16 @@ class Template:
         return tokenizer.encode_chat(system + [{"role": "user", "content": text}])
 
     def stops(self, tokenizer) -> Stops:
-        """The tokenizer's stop tokens (a chat's end of turn too: a base model's tokenizer may not list it),
-        and this template's stop strings."""
+        """The tokenizer's stop tokens (and a chat's end of turn, which a base model may not list), and this
+        template's stop strings."""
         end_of_turn = tokenizer.encode(IM_END) if self.chat else []
         ids = tuple(tokenizer.stop_ids) + (tuple(end_of_turn) if len(end_of_turn) == 1 else ())
         sequences = tuple(seq for s in self.stop for seq in stop_sequences(tokenizer, s))
         return Stops(tuple(dict.fromkeys(ids)), self.stop, tokenizer.decode, sequences)
 
     def answer(self, completion: str) -> str | None:
-        """The part of the completion that holds the answer; None if the template's format is not met.
-
-        With a tag, the paper's strict format: "</think> <answer>" and a closing tag must appear, and the
-        answer is the text after the last opening tag (understand-r1-zero's `answer_tag_reward_fn`)."""
+        """The part of the completion that holds the answer; None if the template's format is not met
+        (with a tag, understand-r1-zero's strict `answer_tag_reward_fn` format)."""
         if self.answer_tag is None:
             return completion
         open_, close = f"<{self.answer_tag}>", f"</{self.answer_tag}>"

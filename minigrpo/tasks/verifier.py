@@ -1,16 +1,11 @@
-"""Rule-based rewards: pull the final answer out of a completion and compare it to the reference (`reward`'s
-modes: numeric, the GSM8K check below; exact; boxed, symbolic with math-verify when installed).
+"""Rule-based rewards: pull the final answer out of a completion and compare it to the reference.
 
-The reward is the only signal RL gets, so it has to be boring and robust:
-  * it never raises and never hangs on any string the policy can emit (every regex here is linear
-    time: no nested quantifiers; inputs are capped before any scanning);
-  * it compares *numbers*, not strings, so "$1,000.00", "1000" and "\\boxed{1000 \\text{ dollars}}" agree;
-  * it is strict about ambiguity: a final answer holding two numbers ("5 or 6") is wrong, not lucky.
+The reward is RL's only signal, so it is boring and robust: it never raises or hangs on any string the
+policy can emit (linear-time regexes, capped inputs); it compares numbers, not strings ("$1,000.00",
+"1000" and "\\boxed{1000 \\text{ dollars}}" agree); an ambiguous answer ("5 or 6") is wrong.
 
-Answer priority (first one found wins):
-  1. the last non-empty ``\\boxed{...}`` (nested braces handled by one linear scan);
-  2. the last ``#### N`` (the GSM8K reference format);
-  3. the last number anywhere in the text.
+The final answer is the last non-empty \\boxed{...}, else the last "#### N" (GSM8K's format), else the
+last number in the text.
 """
 
 from __future__ import annotations
@@ -18,13 +13,9 @@ from __future__ import annotations
 import math
 import re
 
-# A completion of a few hundred tokens is a few thousand characters. The final answer lives at the end,
-# so only the tail is scanned: this bounds the cost of pathological generations.
-MAX_TEXT_CHARS = 16_384
-# No honest final answer is longer than this; anything longer is not a number we want to parse.
-MAX_ANSWER_CHARS = 512
-# Relative tolerance: |pred - truth| <= REL_TOL * max(1, |truth|).
-REL_TOL = 1e-6
+MAX_TEXT_CHARS = 16_384  # only this tail is scanned (the answer is at the end): bounds pathological completions
+MAX_ANSWER_CHARS = 512   # no honest final answer is longer
+REL_TOL = 1e-6           # |pred - truth| <= REL_TOL * max(1, |truth|)
 
 _BOXED_OR_BRACE = re.compile(r"\\boxed\s*\{|[{}]")
 _HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
@@ -48,10 +39,7 @@ _OPERATOR_LEFTOVER = re.compile(r"[-+*/^×÷\\]")
 
 def last_boxed(text: str) -> str | None:
     """Content of the last-opened, properly closed, non-empty ``\\boxed{...}``; None if there is none.
-
-    One left-to-right pass with a stack of open braces (linear time even for ``\\boxed{`` * 1000).
-    "Last" is by opening position, so for nested boxes the innermost wins: ``\\boxed{\\boxed{3}}`` -> "3".
-    """
+    One linear pass with a stack of open braces; for nested boxes the innermost wins."""
     stack: list[int | None] = []  # per open brace: content start if it opened a \boxed, else None
     best_start, best = -1, None
     for m in _BOXED_OR_BRACE.finditer(text):
@@ -76,38 +64,29 @@ def extract_answer(text: str) -> str | None:
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
-    hashes = [m.group(1).strip() for m in _HASH_ANSWER.finditer(text)]
-    hashes = [h for h in hashes if h]
+    hashes = [h for m in _HASH_ANSWER.finditer(text) if (h := m.group(1).strip())]
     if hashes:
         return hashes[-1]
-    last = None
-    for last in _NUMBER.finditer(text):
-        pass
-    return last.group() if last is not None else None
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
 
 
 def _parse_plain(num: str) -> float | None:
     """float() of one `_NUMBER` match: commas dropped, a/b divided; None if not finite."""
-    parts = [p.strip().replace(",", "") for p in num.split("/")]
     try:
-        values = [float(p) for p in parts]
+        values = [float(p.strip().replace(",", "")) for p in num.split("/")]
     except ValueError:  # e.g. a lone "." cannot come from _NUMBER, but stay total
         return None
-    value = values[0]
-    if len(values) == 2:
-        if values[1] == 0:
-            return None
-        value = values[0] / values[1]
+    if len(values) == 2 and values[1] == 0:
+        return None
+    value = values[0] / values[1] if len(values) == 2 else values[0]
     return value if math.isfinite(value) else None
 
 
 def normalize_number(s: str | None) -> float | None:
     """Parse a final answer into a float, or None if it is not exactly one finite number.
-
-    Accepts: "1,000.50", "$5", "50%", "72.00", "+3", "\u22124", "18 dollars", "x = 5", "3/4",
-    "\\frac{3}{4}", "\\dfrac{3}{4}", "-\\frac{1}{2}", "10 \\text{ cups}", "\\$1{,}000".
-    Rejects (None): "", "nan", "inf", "1e999" (2 numbers), "5 or 6", "2^3", "5\\pi", overlong strings.
-    """
+    Accepts: "1,000.50", "$5", "50%", "+3", "\u22124", "18 dollars", "x = 5", "3/4", "-\\frac{1}{2}",
+    "10 \\text{ cups}", "\\$1{,}000". Rejects: "nan", "inf", "1e999" (2 numbers), "5 or 6", "2^3", "5\\pi"."""
     if not isinstance(s, str) or len(s) > MAX_ANSWER_CHARS:
         return None
     s = s.translate(_UNICODE_MINUS)
@@ -152,11 +131,9 @@ def _math_verify_equal(pred: str, truth: str) -> bool:
     (`pip install minigrpo[math]`); False without it, or when it fails (its timeouts need the main thread)."""
     try:
         from math_verify import parse, verify
-    except ImportError:
-        return False
-    try:
+
         return bool(verify(parse(f"${truth}$"), parse(f"${pred}$")))
-    except Exception:  # a parser error or timeout on some string the policy wrote: not a match
+    except Exception:  # not installed, or a parser error or timeout on a string the policy wrote: not a match
         return False
 
 
@@ -164,15 +141,13 @@ REWARD_MODES = ("numeric", "exact", "boxed")
 
 
 def reward(answer_text: str | None, ground_truth: str, mode: str = "numeric", delimited: bool = False) -> float:
-    """Binary outcome reward, no format bonus: 1.0 if the answer matches the ground truth, else 0.0.
+    """1.0 if the answer matches the ground truth, else 0.0 (no format bonus).
 
-    `answer_text` is the part of a completion that holds the answer (a template's choice; None when its
-    format is not met); `delimited` says it is the answer alone (an <answer> tag's content). Modes:
+    `answer_text`: the part of a completion holding the answer (None: the template's format is not met);
+    `delimited`: it is the answer alone (an <answer> tag's content). Modes:
       numeric  `is_correct`: the last \\boxed{}, "#### N" or number, compared as a number (GSM8K)
-      exact    the last \\boxed{} content (a delimited answer without one: all of it) equals the truth as
-               text, after `_plain` normalisation
-      boxed    that same answer, equal as text, as a number, or symbolically by math-verify when installed
-    """
+      exact    the last \\boxed{} (delimited without one: all of it) equals the truth as `_plain` text
+      boxed    that answer, equal as text, as a number, or symbolically by math-verify when installed"""
     if not isinstance(answer_text, str):
         return 0.0
     if mode == "numeric":

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -362,6 +363,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, weights, attn):
     first = _synthetic_trainer(tmp_path / "split", attn, **cfg)
     first.step(), first.step()
     ckpt = first.save()
+    state = torch.load(ckpt / STATE_FILE, weights_only=True)  # older checkpoints saved the global RNGs: ignored
+    torch.save({**state, "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}, ckpt / STATE_FILE)
     torch.manual_seed(123)  # disturb the global RNGs: the resumed run must not depend on them
     second = _synthetic_trainer(tmp_path / "split", attn, **cfg)
     second.resume(tmp_path / "split")

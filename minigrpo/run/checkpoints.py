@@ -1,7 +1,7 @@
 """Trainer checkpoints: an HF model directory plus everything needed to continue *exactly*.
 
     OUT/checkpoints/step_000050/model/             HF format (save_model): transformers loads it as-is
-    OUT/checkpoints/step_000050/trainer_state.pt   optimizer, step (the LR is a function of it), RNGs, data position
+    OUT/checkpoints/step_000050/trainer_state.pt   optimizer, step (the LR is a function of it), data position
     OUT/checkpoints/latest                         name of the newest complete checkpoint
 
 The model is saved in the policy's own dtype, not rounded to bf16: a resumed run starts from bit-identical
@@ -9,18 +9,16 @@ weights. A checkpoint is assembled in a temporary sibling folder (`.step_*.tmp-P
 when complete, and only then is `latest` replaced (write, then rename), so a crash at any moment leaves
 `latest` naming a complete checkpoint; the next start removes the leftovers (`remove_stale_temps`). Pruning
 keeps the newest checkpoints up to the step just written: later ones predate a resume that rewound the run.
-The state file holds only tensors and plain values (the numpy RNG state as lists), so it loads with
-`torch.load(weights_only=True)`, running no pickled code.
+The state file holds only tensors and plain values, so it loads with `torch.load(weights_only=True)`, running
+no pickled code. No global RNG state is saved: training draws every random number from (seed, step, ...).
 """
 
 from __future__ import annotations
 
 import os
-import random
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -32,25 +30,6 @@ STATE_FILE = "trainer_state.pt"
 _SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "tie_word_embeddings")
 LATEST = "latest"
-
-
-def rng_state() -> dict:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *, weights: dict | None = None,
@@ -67,7 +46,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *, wei
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_model(model, tmp / "model", tokenizer_dir=tokenizer_dir, weights=weights)
-    torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
+    torch.save({**state, "step": step}, tmp / STATE_FILE)
     replace_dir(tmp, final)  # re-saving a step after a resume rewound the run: the new one replaces it
     set_latest(ckpt_root, final.name)
     if keep > 0:
@@ -127,8 +106,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_checkpoint(path: str | Path, model, device: str | torch.device) -> dict:
-    """Copy the checkpoint's weights into `model` (into its shards, under FSDP) and return the trainer state
-    (RNG states restored)."""
+    """Copy the checkpoint's weights into `model` (into its shards, under FSDP) and return the trainer state."""
     path = resolve_checkpoint(path)  # holds STATE_FILE
     ours, theirs = model.config, ModelConfig.from_json(path / "model" / "config.json")
     differ = [f"{k} {getattr(theirs, k)} vs {getattr(ours, k)}" for k in _SHAPE
@@ -138,6 +116,4 @@ def load_checkpoint(path: str | Path, model, device: str | torch.device) -> dict
                          f"(checkpoint vs now: {', '.join(differ)}); resume with the model it was trained from")
     saved = load_model(path / "model", dtype=next(model.parameters()).dtype, device=device)
     set_model_state_dict(model, saved.state_dict(), options=StateDictOptions(full_state_dict=True))
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
-    set_rng_state(state["rng"])
-    return state
+    return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)

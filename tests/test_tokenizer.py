@@ -120,12 +120,6 @@ def test_encode_decode_round_trip_matches_transformers(tok, hf):
         assert tok.decode(ids) == text == hf.decode(ids)
 
 
-def test_batch_decode(tok, hf):
-    texts = _gsm8k_texts(8)
-    batch = [tok.encode(t) for t in texts]
-    assert tok.batch_decode(batch) == texts == hf.batch_decode(batch)
-
-
 def test_decode_skips_special_tokens(tok, hf):
     messages = [{"role": "user", "content": "hi"}]
     ids = tok.encode_chat(messages) + [IM_END, ENDOFTEXT]
@@ -139,18 +133,15 @@ def test_decode_accepts_tensors(tok):
     torch = pytest.importorskip("torch")
     ids = tok.encode("Natalia sold clips to 48 of her friends.")
     assert tok.decode(torch.tensor(ids)) == "Natalia sold clips to 48 of her friends."
-    batch = torch.tensor([ids, ids[::-1]])
-    assert tok.batch_decode(batch) == [tok.decode(ids), tok.decode(ids[::-1])]
-    with pytest.raises(ValueError, match="1-D sequence.*batch_decode"):
-        tok.decode(batch)
+    with pytest.raises(ValueError, match="1-D sequence.*each row on its own"):
+        tok.decode(torch.tensor([ids, ids[::-1]]))
 
 
-def test_special_ids_and_sizes(tok, hf):
+def test_stop_pad_ids_and_sizes(tok, hf):
     assert tok.stop_ids == (IM_END, ENDOFTEXT)
     assert tok.eos_id == IM_END == hf.eos_token_id
     assert tok.pad_id == ENDOFTEXT == hf.pad_token_id
     assert tok.vocab_size == len(hf) == 151665
-    assert tok.special_ids == set(hf.all_special_ids)
 
 
 @pytest.mark.parametrize(

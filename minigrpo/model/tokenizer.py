@@ -15,7 +15,7 @@ import hashlib
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from tokenizers import Tokenizer as _BPE
 
@@ -37,14 +37,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON ({e}); delete it and re-download. {_DOWNLOAD_HINT}") from None
 
 
-def _as_id_list(ids: Any, what: str) -> list[int]:
-    """A flat list of ints from a list/tuple or a 1-D tensor/array (anything with .tolist())."""
-    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    if any(isinstance(i, (list, tuple)) for i in ids):
-        raise ValueError(f"{what} expects a 1-D sequence of token ids, got a nested one; use batch_decode for batches")
-    return ids
-
-
 class Tokenizer:
     """Text <-> token ids for Qwen2.5, plus chat-prompt rendering. Build with `Tokenizer.from_dir(path)`."""
 
@@ -53,9 +45,6 @@ class Tokenizer:
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.stop_ids: tuple[int, ...] = tuple(stop_ids)
-        self.special_ids: frozenset[int] = frozenset(
-            i for i, tok in bpe.get_added_tokens_decoder().items() if tok.special
-        )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -113,12 +102,10 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int] | Any, skip_special_tokens: bool = True) -> str:
         """ids (list or 1-D tensor) -> text. Special tokens (<|im_end|>, ...) are dropped unless asked for."""
-        return self._bpe.decode(_as_id_list(ids, "decode"), skip_special_tokens=skip_special_tokens)
-
-    def batch_decode(self, batch: Iterable[Sequence[int]] | Any, skip_special_tokens: bool = True) -> list[str]:
-        """A batch of id sequences (list of lists or 2-D tensor) -> list of texts."""
-        rows = [_as_id_list(row, "batch_decode") for row in batch]
-        return self._bpe.decode_batch(rows, skip_special_tokens=skip_special_tokens)
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        if any(isinstance(i, (list, tuple)) for i in ids):
+            raise ValueError("decode expects a 1-D sequence of token ids, got a nested one; decode each row on its own")
+        return self._bpe.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render a conversation exactly as Qwen2.5's Jinja chat template does (tools excluded)."""

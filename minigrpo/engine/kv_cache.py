@@ -51,9 +51,6 @@ class KVCache:
         """Pages that can ever be handed out (all but the scratch page)."""
         return self.num_pages - 1
 
-    def refcount(self, page: int) -> int:
-        return self._refs[page]
-
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"KV cache needs {n} more pages but only {len(self._free)} of {self.capacity} are "

@@ -67,7 +67,7 @@ def test_config_reads_the_real_qwen_config():
     if not QWEN_DIR.exists():
         pytest.skip(f"{QWEN_DIR} not present")
     cfg = ModelConfig.from_json(QWEN_DIR / "config.json")
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim, cfg.n_rep) == (896, 24, 64, 7)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim, cfg.num_key_value_heads) == (896, 24, 64, 2)
     assert cfg.tie_word_embeddings and cfg.rope_theta == 1e6
 
 

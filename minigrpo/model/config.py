@@ -51,11 +51,6 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    @property
-    def n_rep(self) -> int:
-        """Query heads per KV head."""
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "ModelConfig":
         _check_supported(d, source)

@@ -95,8 +95,7 @@ def dr_grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, 
     is_weight: (N, C) weight of each token's policy-gradient term, not of the KL (truncated_is_weights).
 
     Returns (loss, stats), stats 0-d detached tensors: clip_frac (masked tokens where the clip is active on
-    the side the sign of A makes binding: zero gradient), kl (mean k3 KL when ref_logp is given, else 0),
-    ratio_mean.
+    the side the sign of A makes binding: zero gradient), kl (mean k3 KL when ref_logp is given, else 0).
     """
     N, C = logp.shape
     for name, t in (("logp", logp), ("old_logp", old_logp), ("ref_logp", ref_logp), ("is_weight", is_weight)):
@@ -139,9 +138,7 @@ def dr_grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, 
     loss = (per_token * mask).sum() / (num_sequences * max_new_tokens)
 
     with torch.no_grad():
-        ratio_d = ratio.detach()
-        clip_active = ((ratio_d > 1.0 + eps_high) & (A > 0)) | ((ratio_d < 1.0 - eps_low) & (A < 0))
+        clip_active = ((ratio > 1.0 + eps_high) & (A > 0)) | ((ratio < 1.0 - eps_low) & (A < 0))
         stats = {"clip_frac": _masked_mean(clip_active.to(mask.dtype), mask),
-                 "kl": _masked_mean(kl.detach(), mask) if kl is not None else logp.new_zeros(()),
-                 "ratio_mean": _masked_mean(ratio_d, mask)}
+                 "kl": _masked_mean(kl.detach(), mask) if kl is not None else logp.new_zeros(())}
     return loss, stats

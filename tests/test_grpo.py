@@ -237,5 +237,3 @@ def test_loss_contract_errors():
         dr_grpo_loss(logp.double(), old, adv, mask, eps_low=0.2, max_new_tokens=4)
     with pytest.raises(ValueError, match="adv must have shape"):
         dr_grpo_loss(logp, old, adv[:1], mask, eps_low=0.2, max_new_tokens=4)
-    with pytest.raises(ValueError, match="eps_low"):
-        dr_grpo_loss(logp, old, adv, mask, eps_low=1.5, max_new_tokens=4)

@@ -491,6 +491,8 @@ def test_config_rejects_bad_values():
         TrainConfig(top_p=0.9)  # never a silent off-policy bias
     with pytest.raises(ValueError, match="tis_cap must be >= 1"):
         TrainConfig(tis_cap=0.5)
+    with pytest.raises(ValueError, match="need 0 < eps < 1 and eps_high > 0, got eps=1.5"):
+        TrainConfig(eps=1.5)
 
 
 def test_greedy_evaluation_counts_exact_answers():

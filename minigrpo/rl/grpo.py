@@ -108,10 +108,6 @@ def dr_grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, 
     if max_new_tokens < C:
         raise ValueError(f"max_new_tokens={max_new_tokens} is smaller than the completion length C={C}")
     eps_high = eps_low if eps_high is None else eps_high
-    if not (0.0 < eps_low < 1.0 and eps_high > 0.0):
-        raise ValueError(f"need 0 < eps_low < 1 and eps_high > 0, got eps_low={eps_low}, eps_high={eps_high}")
-    if beta < 0:
-        raise ValueError(f"beta must be >= 0, got {beta}")
     if beta > 0 and ref_logp is None:
         raise ValueError(f"beta={beta} > 0 needs ref_logp (the reference policy's log-probs)")
     num_sequences = N if num_sequences is None else num_sequences

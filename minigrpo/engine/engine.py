@@ -66,9 +66,6 @@ class Engine:
         S = self.cfg.page_size
         return prompt_len // S + G * math.ceil((prompt_len % S + max_new) / S)
 
-    def _bucket(self, n: int) -> int:
-        return next(b for b in self.cfg.bucket_sizes() if b >= n)
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], samples_per_prompt: int, max_new_tokens: int,
                  params: SamplingParams, stop_ids=(), seeds: list[int] | None = None) -> Rollout:
@@ -100,7 +97,7 @@ class Engine:
             if admitted:
                 self._prefill(admitted, prompts, G, max_new_tokens, params, seeds, seq_pages, slot_seq)
             n = len(slot_seq)
-            done = self._run_round(self._bucket(n), n, params)
+            done = self._run_round(next(b for b in cfg.bucket_sizes() if b >= n), n, params)
             finished = [i for i in range(n) if done[i]]
             if finished:
                 # Finished slots no longer change (done slots store nothing), so their rows can be gathered

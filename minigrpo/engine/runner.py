@@ -13,8 +13,6 @@ in a prefill, T their padded length, V vocabulary.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -86,13 +84,6 @@ class StepRunner:
         self._prefills: dict = {}  # padded (rows, T) -> (graph, static inputs, box holding its logits)
         self._pool = None          # one memory pool shared by all captured graphs
 
-    def _recompile_room(self):
-        # One compiled variant per (bucket, sampling params); make room for all of them rather than let
-        # torch.compile's default recompile limit turn the step silently eager.
-        limit = 4 * len(self.cfg.bucket_sizes()) + 8
-        return torch._dynamo.config.patch(recompile_limit=limit, cache_size_limit=limit) \
-            if hasattr(torch._dynamo.config, "recompile_limit") else contextlib.nullcontext()
-
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """DecodeModel.prefill into the engine's pages -> last-token logits (groups, V).
 
@@ -142,7 +133,9 @@ class StepRunner:
 
     def run(self, B: int, params: SamplingParams, n_steps: int) -> None:
         key = (B, params)
-        with self._recompile_room():
+        # One compiled variant per (bucket, sampling params); make room for all of them rather than let
+        # torch.compile's default recompile limit turn the step silently eager.
+        with torch._dynamo.config.patch(recompile_limit=4 * len(self.cfg.bucket_sizes()) + 8):
             if key not in self._prepared:
                 unit, tail = self.units(B, params)
                 if self.cfg.cuda_graphs:

@@ -105,8 +105,6 @@ def test_bad_inputs():
         token_logprobs(hidden, weight[:, :4], targets)
     with pytest.raises(ValueError, match="share dtype"):
         token_logprobs(hidden.double(), weight, targets)
-    with pytest.raises(ValueError, match="chunk_size"):
-        token_logprobs(hidden, weight, targets, chunk_size=-1)
 
 
 class _LargestAlloc(TorchDispatchMode):

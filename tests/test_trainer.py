@@ -493,6 +493,10 @@ def test_config_rejects_bad_values():
         TrainConfig(tis_cap=0.5)
     with pytest.raises(ValueError, match="need 0 < eps < 1 and eps_high > 0, got eps=1.5"):
         TrainConfig(eps=1.5)
+    with pytest.raises(ValueError, match="logprob_chunk_size must be >= 0, got -1"):
+        TrainConfig(logprob_chunk_size=-1)
+    with pytest.raises(ValueError, match="temperature must be > 0 for RL sampling, got 0"):
+        TrainConfig(temperature=0)
 
 
 def test_greedy_evaluation_counts_exact_answers():

@@ -137,10 +137,6 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
     if hidden.dtype != lm_head_weight.dtype or hidden.device != lm_head_weight.device:
         raise ValueError(f"hidden ({hidden.dtype}, {hidden.device}) and lm_head_weight ({lm_head_weight.dtype}, "
                          f"{lm_head_weight.device}) must share dtype and device")
-    if chunk_size < 0:
-        raise ValueError(f"chunk_size must be >= 1 (or 0: full logits), got {chunk_size}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size == 0:
         logp_all = torch.log_softmax((hidden @ lm_head_weight.T).to(_acc_dtype(hidden.dtype)) / temperature, -1)
         logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)                       # (N, T)

@@ -47,12 +47,8 @@ class SequenceBatch:
     @classmethod
     def build(cls, prompts: list[list[int]], completions: list[list[int]], *, pad_id: int,
               stop_ids: tuple[int, ...], device) -> "SequenceBatch":
-        if len(prompts) != len(completions) or not prompts:
-            raise ValueError(f"need one completion per prompt and at least one row, got {len(prompts)} prompts "
-                             f"and {len(completions)} completions")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt must hold at least one token (its last one scores the first "
-                             "completion token)")
+        """Rows of prompt i + completion i; every prompt holds a token (the rollout backends check it): its
+        last one scores the first completion token."""
         lens = [len(c) for c in completions]
         C = max(1, max(lens))
         T = max(len(p) + max(1, len(c)) for p, c in zip(prompts, completions))

@@ -52,22 +52,6 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config") -> "ModelConfig":
-        _check_supported(d, source)
-        missing = [f for f in _REQUIRED if f not in d]
-        if missing:
-            raise ConfigError(f"{source}: missing required field(s) {missing}")
-        kwargs = {f: d[f] for f in _FIELDS if f in d}
-        kwargs.setdefault("num_key_value_heads", d["num_attention_heads"])  # HF's default: no GQA
-        rope_params = d.get("rope_parameters")  # transformers 5 nests rope_theta here
-        if isinstance(rope_params, dict) and "rope_theta" in rope_params:
-            kwargs.setdefault("rope_theta", rope_params["rope_theta"])
-        try:
-            return cls(**kwargs)
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
-
-    @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         if path.is_dir():
@@ -81,7 +65,19 @@ class ModelConfig:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{path} must hold a JSON object, found {type(d).__name__}")
-        return cls.from_dict(d, source=str(path))
+        _check_supported(d, path)
+        missing = [f for f in _REQUIRED if f not in d]
+        if missing:
+            raise ConfigError(f"{path}: missing required field(s) {missing}")
+        kwargs = {f: d[f] for f in _FIELDS if f in d}
+        kwargs.setdefault("num_key_value_heads", d["num_attention_heads"])  # HF's default: no GQA
+        rope_params = d.get("rope_parameters")  # transformers 5 nests rope_theta here
+        if isinstance(rope_params, dict) and "rope_theta" in rope_params:
+            kwargs.setdefault("rope_theta", rope_params["rope_theta"])
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
     def to_hf_dict(self, torch_dtype: str = "bfloat16") -> dict:
         """A config.json that transformers' Qwen2ForCausalLM loads as this exact architecture."""
@@ -96,7 +92,7 @@ _FIELDS = [f for f in ModelConfig.__dataclass_fields__]
 _REQUIRED = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
 
 
-def _check_supported(d: dict, source: str) -> None:
+def _check_supported(d: dict, source: Path) -> None:
     """Reject settings that would change the computation but that this implementation does not implement."""
     model_type = d.get("model_type")
     if model_type != "qwen2":

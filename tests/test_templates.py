@@ -46,8 +46,6 @@ def test_prompt_ids_are_the_published_template(tok, name):
     ids = TEMPLATES[name].prompt(tok, "  " + Q + "\n")  # the question is stripped
     assert ids == tok.encode(EXPECTED[name])
     assert tok.decode(ids, skip_special_tokens=False) == EXPECTED[name]
-    with pytest.raises(ValueError, match="non-empty string"):
-        TEMPLATES[name].prompt(tok, "   ")
 
 
 def test_each_template_stops_on_its_turn_end_and_strings(tok):

@@ -103,8 +103,6 @@ class Template:
 
     def prompt(self, tokenizer, question: str) -> list[int]:
         """The prompt ids for one question (stripped of surrounding whitespace)."""
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError(f"question must be a non-empty string, got {question!r}")
         text = self.text.replace("{question}", question.strip())
         if not self.chat:
             return tokenizer.encode(text)

@@ -45,8 +45,6 @@ def evaluate(backend, task, *, max_new_tokens: int, batch_size: int = 128, limit
     if n < 1:
         raise ValueError(f"nothing to evaluate: the task has {len(task)} examples and limit is {limit}")
     k, params = samples, SamplingParams(temperature=temperature)
-    if k > 1 and params.greedy:
-        raise ValueError(f"{k} greedy samples would be {k} copies of one completion; sample at a temperature > 0")
     t0 = time.perf_counter()
     mine, records = list(range(dist.rank, n, dist.world)), []
     bar = tqdm(total=len(mine), desc="eval", unit="ex", leave=False,  # its rate: examples/s

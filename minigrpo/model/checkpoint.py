@@ -82,12 +82,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
     cfg = ModelConfig.from_json(model_dir / "config.json")
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
-    state = read_state_dict(model_dir, dtype, device)
-    state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # some tied checkpoints store it anyway; the embedding is the truth
-    expected = {k: v.shape for k, v in model.state_dict().items()
-                if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    # Some tied checkpoints store lm_head.weight anyway; the embedding is the truth.
+    tied = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    state = {k: v for k, v in read_state_dict(model_dir, dtype, device).items()
+             if not k.endswith(_IGNORED_SUFFIXES) and k not in tied}
+    expected = {k: v.shape for k, v in model.state_dict().items() if k not in tied}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:

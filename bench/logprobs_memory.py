@@ -42,6 +42,8 @@ def main():
     p.add_argument("--tokens", type=int, default=400)
     p.add_argument("--chunk", type=int, default=1024)
     args = p.parse_args()
+    if min(args.rows, args.tokens, args.chunk) < 1:
+        p.error("--rows, --tokens and --chunk must be >= 1")
     g = torch.Generator(device="cuda").manual_seed(0)
     V, D = 151936, 896
     hidden = torch.randn(args.rows, args.tokens, D, device="cuda", generator=g).bfloat16().requires_grad_()

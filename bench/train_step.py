@@ -103,6 +103,7 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
     for _ in range(args.steps):
         clock.reset()
         rows.append(dict(trainer.step(), kv_pool_gb=kv_gb, **clock.reset()))
+    gc.callbacks.remove(clock._on)  # the next run (another --attn) starts its own clock
     # The estimate the start-up check made (for the data's longest prompt), and for the longest one drawn
     estimates = [train_cli.memory_estimator(cli, model.config, task, None, dist.world, longest_prompt=n)(cli.cfg)
                  for n in (None, reward.longest)]

@@ -15,8 +15,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minigrpo.model.config import ModelConfig
+
+# SDPA's kernels less cuDNN's, which costs ~0.8 ms of host time per call (a plan for each new shape) against
+# flash's few microseconds: in the trainer's host-bound update that was ~0.5 s of a 1.6 s step (bench/NOTES.md).
+NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,7 +74,8 @@ class Attention(nn.Module):
         cos, sin = cos[:, None], sin[:, None]                                           # (B, 1, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # (B, H, T, D); with no mask (no padding) the fused causal kernels apply
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        with sdpa_kernel(NOT_CUDNN):
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -16,7 +16,7 @@ resident (held from the first step on):
                     memory free at its construction, if less
   engine_workspace  the decode step's logits and sampler buffers, and a prefill of this rank's prompts
 update (one micro-batch's forward and backward, the optimizer step's gradients):
-  gradients         P x 4 (fp32); bf16: P x 2, or P x 4 while micro-batches are summed in fp32 (GradSync)
+  gradients         P x 4 (fp32); bf16: P x 2, or P x 4 while 3+ micro-batches are summed in fp32 (GradSync)
   ddp_buckets       with W > 1, DDP's flat gradient buckets: another P x gradient size
   activations       what the decoder layers keep for the backward (_layer_bytes); with activation
                     checkpointing, each layer's input plus one layer recomputed
@@ -122,7 +122,9 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
     T = prompt_tokens + cfg.max_new_tokens
 
     fsdp = cfg.parallel == "fsdp" and world > 1
-    fp32_sums = w == 2 and rows > cfg.micro_batch_size  # bf16 gradients of several micro-batches (GradSync)
+    micro_batches = -(-rows // cfg.micro_batch_size)
+    # bf16 gradients are summed in fp32 from three micro-batches on, and whole under FSDP from two (GradSync)
+    fp32_sums = w == 2 and micro_batches >= (2 if fsdp else 3)
     resident = {"weights": P * w, "optimizer": 2 * P * w, "reference": P * w if cfg.kl_beta > 0 else 0}
     gradients = P * (4 if fp32_sums else w)
     if fsdp:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|speed|speedbig|templates
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|speed|speedbig|templates
 # (and `revs`, run here before a device call, not there)
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
@@ -170,6 +170,19 @@ case "${1:-}" in
       --profile static32 --variant static32=.rev/static:--micro-batch-size=32 \
       --variant after32=.:--micro-batch-size=32 \
       --variant after32c1024=.:--micro-batch-size=32,--logprob-chunk-size=1024 "${@:2}" ;;
+  mb)          # issue 20's micro-batch shapes, LEAN, TRL on the same workload in the same call. `mb 05b` (~7 min):
+               # 16, 32 and 64 rows per micro-batch, the 64 one profiled. `mb 7b` (~5 min): 16 and 32 rows; TRL at
+               # 7B (~5 min, its random model is drawn on the CPU) goes in a call of its own: `mb 7b trl`
+    M=${2:-05b}; V=(--variant mb16=. --variant mb32=.:--micro-batch-size=32)
+    [ "$M" = 05b ] && V+=(--variant mb64=.:--micro-batch-size=64 --profile mb64)
+    if [ "${3:-}" != trl ]; then
+      rand ${M/5b/.5b}
+      OUT=$OUT/mb$M python3 bench/speed.py --model-dir /tmp/rand$M --data "$DATA" --steps ${STEPS:-6} "${V[@]}" \
+        | sed -n '/^summary/,$p'
+    fi
+    [ "$M" = 05b ] || [ "${3:-}" = trl ] || exit 0
+    [ "$M" = 05b ] && C=$DATA/qwen2.5-0.5b-instruct || C=$DATA/configs/qwen2.5-7b-instruct
+    CONFIG=$(realpath "$C") STEPS=4 bash bench/h200.sh trl ;;
   speedbig)    # the same at the 1.5B and 7B shapes (MODELS="15b 7b"; ~4 min each), before and after (32-row
                # micro-batches); TRL: the trl part
     for m in ${MODELS:-15b 7b}; do
@@ -182,6 +195,6 @@ case "${1:-}" in
                # evaluation (r1, 4 samples x 32 test examples). One process, one compile (~3 min in all)
     rand 0.5b
     python3 bench/templates.py --model-dir /tmp/rand05b --data "$DATA" "${@:2}" ;;
-  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|speed|speedbig|templates|revs [args]"
+  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|speed|speedbig|templates|revs [args]"
      exit 2 ;;
 esac

@@ -27,8 +27,9 @@ case "${1:-}" in
     SEL=("${@:2}"); [ ${#SEL[@]} -gt 0 ] || SEL=(tests/test_gpu.py)  # pytest node ids / flags, in order
     MINIGRPO_GPU_WEIGHTS=/tmp/fit05b python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 "${SEL[@]}" \
       2>&1 | tee "$OUT/gpu_fitted.log" | grep -E "^\[|passed|failed|FAILED|Error" ;;
-  attention)   # decode-attention microbenchmark (Triton vs gather+SDPA vs dense SDPA)
-    python3 bench/attention.py --no-eager --out "$OUT/bench_attention.json" ;;
+  attention)   # decode-attention microbenchmark (Triton vs gather+SDPA vs dense SDPA); issue 20's long contexts:
+               # `attention --points 64x8192,256x4096,256x2048`
+    python3 bench/attention.py --no-eager --out "$OUT/bench_attention.json" "${@:2}" ;;
   decode64)    # engine vs HF generate, 8 GSM8K prompts x 8 samples x 256 tokens
     python3 bench/decode.py --workloads 8x8 "${@:2}" ;;
   decode256)   # 32 prompts x 8 samples x 256 tokens

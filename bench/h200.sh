@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|speed|speedbig|templates
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|compile100|speed|speedbig|templates
 # (and `revs`, run here before a device call, not there)
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
@@ -184,6 +184,15 @@ case "${1:-}" in
     [ "$M" = 05b ] || [ "${3:-}" = trl ] || exit 0
     [ "$M" = 05b ] && C=$DATA/qwen2.5-0.5b-instruct || C=$DATA/configs/qwen2.5-7b-instruct
     CONFIG=$(realpath "$C") STEPS=4 bash bench/h200.sh trl ;;
+  compile100)  # issue 20's compile bound: a 100-step run at 0.5B (LEAN, 32-row micro-batches; ~3 min): seconds
+               # compiling in all, and in which steps (random weights write all 256 tokens: the engine's smaller
+               # batch buckets, which trained weights reach as sequences stop, are not exercised)
+    rand 0.5b
+    OUT=$OUT/compile100 python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --attn triton \
+      --steps ${STEPS:-100} -- $LEAN --micro-batch-size 32 > /dev/null 2>&1
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['triton']['every_step']; c=[s['compile_s'] for s in r]; \
+print('steps', len(c), 'compile_s total', round(sum(c), 1), 'steps compiling', [(i + 1, x) for i, x in enumerate(c) if x > 0.5], \
+'median step', sorted(s['time_step'] for s in r)[len(r) // 2])" "$OUT/compile100/train_step.json" ;;
   speedbig)    # the same at the 1.5B and 7B shapes (MODELS="15b 7b"; ~4 min each), before and after (32-row
                # micro-batches); TRL: the trl part
     for m in ${MODELS:-15b 7b}; do
@@ -196,6 +205,6 @@ case "${1:-}" in
                # evaluation (r1, 4 samples x 32 test examples). One process, one compile (~3 min in all)
     rand 0.5b
     python3 bench/templates.py --model-dir /tmp/rand05b --data "$DATA" "${@:2}" ;;
-  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|speed|speedbig|templates|revs [args]"
+  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|compile100|speed|speedbig|templates|revs [args]"
      exit 2 ;;
 esac

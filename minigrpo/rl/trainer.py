@@ -226,7 +226,7 @@ class Trainer:
                     (loss * weight).backward()
                 if weight:
                     sums.add(loss, stats, mb.mask.sum())
-            sums.stepped(self._optimizer_step(k))
+            sums.norms.append(self._optimizer_step(k))
         return sums.metrics(self.dist, with_kl=ref_logp is not None), old_logp, entropy
 
     def _loss(self, logp, mask, idx, rows: _Rows, old_logp, ref_logp):

@@ -436,7 +436,7 @@ def test_engine_backend_agrees_with_the_reference_and_follows_updates(tmp_path, 
     reference = _synthetic_trainer(tmp_path / "ref", lr=1e-2, kl_beta=0.05)
     engine = _synthetic_trainer(tmp_path / "engine", "sdpa", lr=1e-2, kl_beta=0.05)
     if not share:  # the copy path (fp32 master weights with a bf16 engine): a private copy, synced after updates
-        backend = engine.backend = make_backend("sdpa", copy.deepcopy(engine.model), pad_id=engine.pad_id,
+        backend = engine.backend = make_backend("sdpa", copy.deepcopy(engine.model), pad_id=engine.tokenizer.pad_id,
                                                 max_seq_len=16)
         backend.load_weights = lambda model: backend.model.load_from(model, share=False)
     for _ in range(3):  # after step 1 the engine only agrees if it samples the updated policy

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minigrpo.rl.distributed import Dist
-from minigrpo.rl.grpo import completion_mask, dr_grpo_loss, group_advantages, nonzero_groups, truncated_is_weights
+from minigrpo.rl.grpo import dr_grpo_loss, group_advantages, nonzero_groups, truncated_is_weights
 from minigrpo.rl.step_metrics import mismatch_metrics
 
 # ---------------------------------------------------------------------------------------------- advantages
@@ -33,35 +33,6 @@ def test_group_advantages_rejects_ragged_batch():
 
 
 # ---------------------------------------------------------------------------------------------- masks
-
-STOP = 9
-
-
-@pytest.mark.parametrize(
-    "row, expected",
-    [
-        ([5, 9, 7, 7], [1, 1, 0, 0]),  # stop mid-row: kept, everything after dropped
-        ([9, 5, 5, 5], [1, 0, 0, 0]),  # stop at position 0
-        ([5, 5, 5, 9], [1, 1, 1, 1]),  # stop at the last position
-        ([5, 5, 5, 5], [1, 1, 1, 1]),  # no stop (truncated): all ones, the argmax pitfall
-        ([5, 9, 9, 7], [1, 1, 0, 0]),  # two stops: the first one wins
-    ],
-)
-def test_completion_mask_rows(row, expected):
-    mask = completion_mask(torch.tensor([row]), (STOP,))
-    assert mask.dtype == torch.float32
-    assert mask.tolist() == [expected]
-
-
-def test_completion_mask_batch_and_multiple_stop_ids():
-    ids = torch.tensor(
-        [
-            [5, 8, 9, 7],  # 8 comes first -> [1, 1, 0, 0]
-            [5, 5, 9, 8],  # 9 comes first -> [1, 1, 1, 0]
-            [5, 5, 5, 5],  # none          -> [1, 1, 1, 1]
-        ]
-    )
-    assert completion_mask(ids, [9, 8]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
 
 
 def test_nonzero_groups():

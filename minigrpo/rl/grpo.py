@@ -18,8 +18,6 @@ Shape legend:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 
@@ -36,16 +34,6 @@ def nonzero_groups(adv: torch.Tensor, group_size: int) -> torch.Tensor:
     wrong): it adds nothing to the policy gradient, so the trainer skips its forward and backward."""
     keep = adv.view(-1, group_size).ne(0).any(dim=1, keepdim=True)  # (B, 1)
     return keep.expand(-1, group_size).reshape(-1)  # (N,)
-
-
-def completion_mask(completion_ids: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
-    """(N, C) float mask: 1 up to and including the first stop token of each row (so that the policy learns
-    to emit it), 0 after it; all ones for a row without one (truncated)."""
-    is_stop = torch.zeros_like(completion_ids, dtype=torch.bool)  # (N, C)
-    for s in stop_ids:  # a handful of Python ints: compare to scalars, no host->device copy
-        is_stop |= completion_ids == s
-    stops_before = is_stop.cumsum(dim=1) - is_stop.long()  # (N, C) stop tokens strictly before t
-    return (stops_before == 0).float()
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -184,7 +184,7 @@ class Trainer:
         kept = train.nonzero().squeeze(1).tolist()
         index = kept or [0]
         batch = SequenceBatch.build([prompts[r // G] for r in index], [rollout.tokens[r] for r in index],
-                                    pad_id=self.tokenizer.pad_id, stop_ids=self.task.stops.ids, device=self.device)
+                                    pad_id=self.tokenizer.pad_id, device=self.device)
         offset = self.dist.rank * len(train)  # the global index of this rank's first rollout row
         most = max(1, int(trained.view(self.dist.world, -1).sum(1).max()))  # the most rows of one rank
         return _Rows(batch, adv[index].to(self.device), pad_rows([rollout.logprobs[r] for r in index], batch.C,

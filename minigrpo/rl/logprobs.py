@@ -93,28 +93,25 @@ class _ChunkedLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, *_):
         hidden, weight, targets, lse = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         (M, D), V, acc = hidden.shape, weight.shape[0], lse.dtype
         g = grad_logp.to(acc)                                                            # (M,)
         vs = min(V, VOCAB_SLICE)  # blocks of (tokens x vocabulary slice), as large as the forward's chunks
         tc = max(1, ctx.chunk_size * V // vs)
-        grad_h = torch.zeros((M, D), dtype=acc, device=hidden.device) if need_h else None  # (M, D)
-        grad_w = torch.empty_like(weight) if need_w else None                               # (V, D)
+        grad_h = torch.zeros((M, D), dtype=acc, device=hidden.device)                    # (M, D)
+        grad_w = torch.empty_like(weight)                                                # (V, D)
         for v0 in range(0, V, vs):
             v1 = min(v0 + vs, V)
             w = weight[v0:v1]                                                            # (v, D)
-            gw = torch.zeros((v1 - v0, D), dtype=acc, device=weight.device) if need_w else None  # (v, D)
+            gw = torch.zeros((v1 - v0, D), dtype=acc, device=weight.device)              # (v, D)
             for s in range(0, M, tc):
                 e = min(s + tc, M)
                 h = hidden[s:e]                                                          # (m, D)
                 dz = _fused(_chunk_grad, h @ w.T, lse[s:e], g[s:e], targets[s:e] - v0, ctx.temperature)  # (m, v)
-                if need_h:
-                    grad_h[s:e] += dz @ w                                                # (m, D)
-                if need_w:
-                    gw += dz.T @ h                                                       # (v, D)
-            if need_w:
-                grad_w[v0:v1] = gw
-        return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None, None
+                grad_h[s:e] += dz @ w                                                    # (m, D)
+                gw += dz.T @ h                                                           # (v, D)
+            grad_w[v0:v1] = gw
+        # both gradients, also where one input needs none (never in training): autograd drops it
+        return grad_h.to(hidden.dtype), grad_w, None, None, None, None
 
 
 def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, *,

@@ -207,8 +207,7 @@ class Trainer:
         if fill:
             old_logp, entropy = torch.zeros_like(rows.rollout_logp), torch.zeros_like(rows.rollout_logp)
         sums = UpdateSums(self.device)
-        for k, epoch, minibatch, count in self._minibatches(rows, trained):
-            self.optimizer.zero_grad(set_to_none=True)
+        for k, epoch, minibatch, count in self._minibatches(rows, trained):  # _optimizer_step leaves no gradient
             for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch, count, rows.batch)):
                 mb, idx = self._select(rows.batch, micro)                                      # (m, T'), (m,)
                 with self.policy.accumulate(u == 0, last):  # the last backward reduces (DDP / FSDP)
@@ -273,8 +272,7 @@ class Trainer:
     def _optimizer_step(self, k: int) -> torch.Tensor | None:
         """Clip the gradient and take the update's k-th optimizer step. Returns the pre-clip gradient norm, or None
         without a step for a NaN or inf one (one bad batch must not poison the weights)."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm or float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
         finite = bool(torch.isfinite(norm))
         if finite and isinstance(self.optimizer, StochasticAdamW):  # its rounding noise: a function of (seed, step, k)
             self.optimizer.step(derive_seeds(self.cfg.seed, _ROUND, self.step_idx, k + 1)[k])

@@ -24,9 +24,8 @@ _EVAL = 0xE7A1  # keeps the evaluation's sampling seeds apart from other (seed, 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), computed as the
-    product 1 - prod_{i=n-c+1..n} (1 - k/i), which neither overflows nor cancels (Chen et al. 2021)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    product 1 - prod_{i=n-c+1..n} (1 - k/i), which neither overflows nor cancels (Chen et al. 2021).
+    Needs 0 <= c <= n and 1 <= k <= n (summarize's j are)."""
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))

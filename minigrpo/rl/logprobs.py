@@ -53,9 +53,7 @@ def _chunk_grad(raw: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, targets: 
     return ((onehot * g[:, None] - p * g[:, None]) / temperature).to(raw.dtype)
 
 
-@functools.cache
-def _compiled(fn):
-    return torch.compile(fn)
+_compiled = functools.cache(torch.compile)  # fn -> its compiled version, compiled once
 
 
 def _fused(fn, raw: torch.Tensor, *args):

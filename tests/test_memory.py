@@ -167,7 +167,7 @@ def test_activations_bound_what_autograd_saves(dtype):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 510, (20,), generator=gen).tolist() for _ in range(4)]
     completions = [torch.randint(1, 510, (12,), generator=gen).tolist() for _ in range(4)]
-    batch = SequenceBatch.build(prompts, completions, pad_id=0, stop_ids=(511,), device="cpu")
+    batch = SequenceBatch.build(prompts, completions, pad_id=0, device="cpu")
     params, saved = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
 
     def pack(t):

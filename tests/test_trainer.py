@@ -104,7 +104,7 @@ def _capture_gradients(trainer) -> dict[str, torch.Tensor]:
 
 
 def test_sequence_batch_layout_hand_made():
-    batch = SequenceBatch.build([[1, 2], [3]], [[4, STOP], [5, 6, 7]], pad_id=PAD, stop_ids=(STOP,), device="cpu")
+    batch = SequenceBatch.build([[1, 2], [3]], [[4, STOP], [5, 6, 7]], pad_id=PAD, device="cpu")
     # rows start at column 0, padding only at the end; T = max(prompt + completion) = 4, C = 3
     assert batch.ids.tolist() == [[1, 2, 4, STOP], [3, 5, 6, 7]]
     assert batch.mask.tolist() == [[1, 1, 0], [1, 1, 1]]  # stop kept, padding dropped; no stop: all ones
@@ -123,12 +123,29 @@ def test_sequence_batch_layout_hand_made():
     assert len(batch.select([0, 1], n_rows=1).prompt_lens) == 2
 
 
+@pytest.mark.parametrize(
+    "row, expected",
+    [
+        ([5, STOP, 7, 7], [1, 1, 0, 0]),  # stop mid-row: kept, everything after dropped
+        ([STOP, 5, 5, 5], [1, 0, 0, 0]),  # stop at position 0
+        ([5, 5, 5, STOP], [1, 1, 1, 1]),  # stop at the last position
+        ([5, 5, 5, 5], [1, 1, 1, 1]),  # no stop (truncated): all ones
+        ([5, STOP, STOP, 7], [1, 1, 0, 0]),  # two stops: the first one wins
+        ([5, 8, STOP, 7], [1, 1, 0, 0]),  # another stop id comes first
+    ],
+)
+def test_loss_mask_ends_at_the_first_stop(row, expected):
+    # The trainer cuts each completion after its first stop; the batch's loss mask covers what is left.
+    rollout, _ = Stops((STOP, 8)).cut(Rollout([row, [5] * 4], [[0.0] * len(row), [0.0] * 4]))
+    mask = SequenceBatch.build([[1], [1]], rollout.tokens, pad_id=PAD, device="cpu").mask
+    assert mask.dtype == torch.float32 and mask[0].tolist() == expected
+
+
 def test_sequence_batch_scores_the_next_token():
     # A "model" whose hidden state at column t is one-hot of the token at t+1 puts almost all its mass on the
     # right next token iff the offsets are right, in every row, whatever its prompt length. Past a row's
     # completion nothing is scored: exactly 0 there.
-    batch = SequenceBatch.build([[3, 1, 4], [1], [5, 9]], [[1, 5], [2, 6, 5], [3]], pad_id=0, stop_ids=(63,),
-                                device="cpu")
+    batch = SequenceBatch.build([[3, 1, 4], [1], [5, 9]], [[1, 5], [2, 6, 5], [3]], pad_id=0, device="cpu")
     nxt = torch.nn.functional.one_hot(torch.roll(batch.ids, -1, dims=1), 10).float()  # (n, T, 10)
     model = SimpleNamespace(hidden_states=lambda ids, **kw: nxt, lm_head=SimpleNamespace(weight=10 * torch.eye(10)))
     logp = completion_logprobs(model, batch, temperature=1.0)
@@ -147,7 +164,7 @@ def test_trainer_logprobs_equal_the_rollouts_sampling_logprobs(temperature):
                        pad_id=PAD, seeds=list(range(100, 109)))
     lens = [len(t) for t in rollout.tokens]
     assert min(lens) < 8 and max(lens) == 8
-    batch = SequenceBatch.build(prompts, rollout.tokens, pad_id=PAD, stop_ids=stops, device="cpu")
+    batch = SequenceBatch.build(prompts, rollout.tokens, pad_id=PAD, device="cpu")
     assert batch.mask.sum(1).tolist() == lens
     logp = completion_logprobs(model, batch, temperature=temperature)
     sampled = pad_rows(rollout.logprobs, batch.C, "cpu")
@@ -436,7 +453,7 @@ def test_engine_backend_agrees_with_the_reference_and_follows_updates(tmp_path, 
     reference = _synthetic_trainer(tmp_path / "ref", lr=1e-2, kl_beta=0.05)
     engine = _synthetic_trainer(tmp_path / "engine", "sdpa", lr=1e-2, kl_beta=0.05)
     if not share:  # the copy path (fp32 master weights with a bf16 engine): a private copy, synced after updates
-        backend = engine.backend = make_backend("sdpa", copy.deepcopy(engine.model), pad_id=engine.pad_id,
+        backend = engine.backend = make_backend("sdpa", copy.deepcopy(engine.model), pad_id=engine.tokenizer.pad_id,
                                                 max_seq_len=16)
         backend.load_weights = lambda model: backend.model.load_from(model, share=False)
     for _ in range(3):  # after step 1 the engine only agrees if it samples the updated policy

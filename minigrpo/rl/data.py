@@ -24,10 +24,6 @@ class EpochSampler:
             raise ValueError(f"the training set is empty (num_examples={num_examples})")
         self.num_examples, self.seed = num_examples, seed
         self.epoch, self.pos = 0, 0
-        self._order = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        return np.random.default_rng([self.seed, _STREAM, epoch]).permutation(self.num_examples).tolist()
 
     def next(self, k: int) -> list[int]:
         """The next k example indices (crossing into the next epoch, and its new order, when needed)."""
@@ -35,9 +31,9 @@ class EpochSampler:
         while len(out) < k:
             if self.pos == self.num_examples:
                 self.epoch, self.pos = self.epoch + 1, 0
-                self._order = self._permutation(self.epoch)
+            order = np.random.default_rng([self.seed, _STREAM, self.epoch]).permutation(self.num_examples)
             take = min(k - len(out), self.num_examples - self.pos)
-            out += self._order[self.pos:self.pos + take]
+            out += order[self.pos:self.pos + take].tolist()
             self.pos += take
         return out
 
@@ -50,4 +46,3 @@ class EpochSampler:
                              f"examples with seed {state['seed']}, this run has {self.num_examples} examples with "
                              f"seed {self.seed}; resume with the same training data and --seed")
         self.epoch, self.pos = state["epoch"], state["pos"]
-        self._order = self._permutation(self.epoch)

@@ -24,9 +24,8 @@ _EVAL = 0xE7A1  # keeps the evaluation's sampling seeds apart from other (seed, 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k), computed as the
-    product 1 - prod_{i=n-c+1..n} (1 - k/i), which neither overflows nor cancels (Chen et al. 2021)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    product 1 - prod_{i=n-c+1..n} (1 - k/i), which neither overflows nor cancels (Chen et al. 2021).
+    Needs 0 <= c <= n and 1 <= k <= n (summarize's j are)."""
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
@@ -47,22 +46,21 @@ def evaluate(backend, task, *, max_new_tokens: int, batch_size: int = 128, limit
     k, params = samples, SamplingParams(temperature=temperature)
     t0 = time.perf_counter()
     mine, records = list(range(dist.rank, n, dist.world)), []
-    bar = tqdm(total=len(mine), desc="eval", unit="ex", leave=False,  # its rate: examples/s
-               disable=None if progress and dist.is_main else True)
-    for start in range(0, len(mine), batch_size):
-        ids = mine[start:start + batch_size]
-        seeds = [s for i in ids for s in derive_seeds(seed, _EVAL, i, k)]
-        rollout = backend.generate([task.prompt(i) for i in ids], k, max_new_tokens, params, task.stops.backend_stops,
-                                   seeds)
-        rollout, stopped = task.stops.cut(rollout)
-        for r, i in enumerate(ids):
-            rows = range(r * k, (r + 1) * k)
-            scores = [task.score(i, rollout.tokens[j]) for j in rows]
-            records.append({"index": i, **task.describe(i), "completion_ids": [rollout.tokens[j] for j in rows],
-                            "rewards": [s[0] for s in scores], "correct": [s[1] for s in scores],
-                            "stopped": [stopped[j] for j in rows]})
-        bar.update(len(ids))
-    bar.close()
+    with tqdm(total=len(mine), desc="eval", unit="ex", leave=False,  # its rate: examples/s
+              disable=None if progress and dist.is_main else True) as bar:
+        for start in range(0, len(mine), batch_size):
+            ids = mine[start:start + batch_size]
+            seeds = [s for i in ids for s in derive_seeds(seed, _EVAL, i, k)]
+            rollout = backend.generate([task.prompt(i) for i in ids], k, max_new_tokens, params,
+                                       task.stops.backend_stops, seeds)
+            rollout, stopped = task.stops.cut(rollout)
+            for r, i in enumerate(ids):
+                rows = range(r * k, (r + 1) * k)
+                scores = [task.score(i, rollout.tokens[j]) for j in rows]
+                records.append({"index": i, **task.describe(i), "completion_ids": [rollout.tokens[j] for j in rows],
+                                "rewards": [s[0] for s in scores], "correct": [s[1] for s in scores],
+                                "stopped": [stopped[j] for j in rows]})
+            bar.update(len(ids))
     records = sorted((r for part in dist.gather_objects(records) for r in part), key=lambda r: r["index"])
     seconds = time.perf_counter() - t0
     return {**summarize(records, k), "n": n, "seconds": seconds, "examples_per_s": n / seconds, "records": records}

@@ -18,22 +18,11 @@ Shape legend:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-
-
-def _check_groups(x: torch.Tensor, group_size: int, name: str) -> None:
-    if x.ndim != 1:
-        raise ValueError(f"{name} must be 1-D (N,), got shape {tuple(x.shape)}")
-    if group_size < 1 or x.shape[0] % group_size != 0:
-        raise ValueError(f"{name} has {x.shape[0]} entries, not a multiple of group_size={group_size}; "
-                         f"expected N = num_prompts * group_size laid out group-major")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """A_i = r_i - mean of r over i's group. No division by the group std (see module docstring)."""
-    _check_groups(rewards, group_size, "rewards")
     if not rewards.is_floating_point():
         rewards = rewards.float()
     r = rewards.view(-1, group_size)  # (B, G)
@@ -43,25 +32,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def nonzero_groups(adv: torch.Tensor, group_size: int) -> torch.Tensor:
     """(N,) bool: False for every sample of a group whose advantages are all exactly zero (all right or all
     wrong): it adds nothing to the policy gradient, so the trainer skips its forward and backward."""
-    _check_groups(adv, group_size, "adv")
     keep = adv.view(-1, group_size).ne(0).any(dim=1, keepdim=True)  # (B, 1)
     return keep.expand(-1, group_size).reshape(-1)  # (N,)
-
-
-def completion_mask(completion_ids: torch.Tensor, stop_ids: int | Sequence[int]) -> torch.Tensor:
-    """(N, C) float mask: 1 up to and including the first stop token of each row (so that the policy learns
-    to emit it), 0 after it; all ones for a row without one (truncated)."""
-    if completion_ids.ndim != 2 or completion_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"completion_ids must be an integer (N, C) tensor, got {completion_ids.dtype} "
-                         f"{tuple(completion_ids.shape)}")
-    stop_ids = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
-    if not stop_ids:
-        raise ValueError("stop_ids is empty; pass the tokenizer's end-of-turn / end-of-text ids")
-    is_stop = torch.zeros_like(completion_ids, dtype=torch.bool)  # (N, C)
-    for s in stop_ids:  # a handful of Python ints: compare to scalars, no host->device copy
-        is_stop |= completion_ids == s
-    stops_before = is_stop.cumsum(dim=1) - is_stop.long()  # (N, C) stop tokens strictly before t
-    return (stops_before == 0).float()
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -20,14 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from minigrpo.model.qwen2 import Qwen2ForCausalLM
-from minigrpo.rl.grpo import completion_mask
 from minigrpo.rl.logprobs import token_logprobs
 
 
 @dataclass
 class SequenceBatch:
     ids: torch.Tensor         # (n, T) long: prompt + completion from column 0, right-padded
-    mask: torch.Tensor        # (n, C) fp32 loss mask: completion tokens up to and including the first stop
+    mask: torch.Tensor        # (n, C) fp32 loss mask: the completion tokens (each cut after its first stop)
     prompt_lens: list[int]
     completion_lens: list[int]
 
@@ -45,24 +44,20 @@ class SequenceBatch:
         return torch.stack([rows, j, torch.tensor(self.prompt_lens)[rows] - 1 + j]).to(self.ids.device)
 
     @classmethod
-    def build(cls, prompts: list[list[int]], completions: list[list[int]], *, pad_id: int,
-              stop_ids: tuple[int, ...], device) -> "SequenceBatch":
-        """Rows of prompt i + completion i; every prompt holds a token (the rollout backends check it): its
-        last one scores the first completion token."""
+    def build(cls, prompts: list[list[int]], completions: list[list[int]], *, pad_id: int, device) -> SequenceBatch:
+        """Rows of prompt i + completion i. Every completion is already cut after its first stop (Stops.cut), so
+        the loss mask is its length: the stop token trains (the policy learns to emit it), nothing after it
+        exists. Every prompt holds a token (the rollout backends check it): its last one scores the first
+        completion token."""
         lens = [len(c) for c in completions]
-        C = max(1, max(lens))
         T = max(len(p) + max(1, len(c)) for p, c in zip(prompts, completions))
         ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
-        comp = torch.full((len(prompts), C), pad_id, dtype=torch.long)                   # (n, C)
         for i, (p, c) in enumerate(zip(prompts, completions)):
             ids[i, :len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
-            comp[i, :len(c)] = torch.tensor(c, dtype=torch.long)
-        # the length mask drops the right padding of a row without a stop (when the pad id is not a stop id)
-        real = torch.arange(C)[None, :] < torch.tensor(lens)[:, None]                    # (n, C)
-        mask = completion_mask(comp, stop_ids) * real                                    # (n, C)
-        return cls(ids.to(device), mask.to(device), [len(p) for p in prompts], lens)
+        mask = torch.arange(max(1, max(lens)))[None, :] < torch.tensor(lens)[:, None]   # (n, C)
+        return cls(ids.to(device), mask.float().to(device), [len(p) for p in prompts], lens)
 
-    def select(self, rows: list[int], *, n_rows: int = 0) -> "SequenceBatch":
+    def select(self, rows: list[int], *, n_rows: int = 0) -> SequenceBatch:
         """The given rows without the columns that are padding in all of them, plus empty rows (mask 0) up to
         `n_rows`: padding never reaches a real token, and the zero mask keeps it out of every loss and metric."""
         C2 = max(1, max(self.completion_lens[r] for r in rows))

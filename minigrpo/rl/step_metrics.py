@@ -34,27 +34,20 @@ class UpdateSums:
 
     def __init__(self, device):
         self.sums = torch.zeros(4, device=device)  # loss, clipped tokens, KL x tokens, tokens
-        self.norms, self.skipped = [], 0
+        self.norms: list[torch.Tensor | None] = []  # each optimizer step's pre-clip gradient norm; None: skipped
 
     def add(self, loss: torch.Tensor, stats: dict, tokens: torch.Tensor) -> None:
         """One micro-batch's loss and dr_grpo_loss stats, over `tokens` trained tokens."""
         self.sums += torch.stack([loss.detach(), stats["clip_frac"] * tokens, stats["kl"] * tokens, tokens])
 
-    def stepped(self, norm: torch.Tensor | None) -> None:
-        """An optimizer step with this pre-clip gradient norm, or None for one skipped (NaN or inf gradient)."""
-        if norm is None:
-            self.skipped += 1
-        else:
-            self.norms.append(norm)
-
     def metrics(self, dist: Dist, with_kl: bool) -> dict:
         loss, clip, kl, tokens = dist.sum(self.sums)
         tokens = tokens.clamp(min=1)
-        out = {"loss": (loss / max(1, len(self.norms) + self.skipped)).item(), "clip_frac": (clip / tokens).item(),
-               "grad_norm": torch.stack(self.norms).mean().item() if self.norms else None,
-               "optimizer_steps": len(self.norms)}
-        if self.skipped:
-            out["nonfinite_grad_steps"] = self.skipped
+        norms = [n for n in self.norms if n is not None]
+        out = {"loss": (loss / max(1, len(self.norms))).item(), "clip_frac": (clip / tokens).item(),
+               "grad_norm": torch.stack(norms).mean().item() if norms else None, "optimizer_steps": len(norms)}
+        if len(norms) < len(self.norms):
+            out["nonfinite_grad_steps"] = len(self.norms) - len(norms)
         if with_kl:
             out["kl"] = (kl / tokens).item()
         return out

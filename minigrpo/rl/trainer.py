@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -86,7 +87,6 @@ class Trainer:
         self.out_dir, self.tensorboard, self.echo = Path(out_dir), tensorboard, echo
         self.device = next(model.parameters()).device
         self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.weights == "fp32" else None
-        self.stops, self.pad_id = task.stops, tokenizer.pad_id
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
         # The KL anchor is the policy as it is now, before any update (also when resuming: see resume()).
         self.ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.kl_beta > 0 else None
@@ -104,12 +104,10 @@ class Trainer:
         self.policy = GradSync(model, self._logprobs, dist, cfg.parallel)  # the training forward (DDP / FSDP)
         self.ref_forward = (frozen_forward(self.ref, self._logprobs, dist, cfg.parallel)  # scores the KL anchor
                             if self.ref is not None else None)
-        if cfg.weights == "bf16":  # after GradSync: FSDP replaces the parameters by their shards
-            self.optimizer = StochasticAdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                             weight_decay=cfg.weight_decay)
-        else:
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                               weight_decay=cfg.weight_decay, fused=self.device.type == "cuda")
+        adamw = (StochasticAdamW if cfg.weights == "bf16"
+                 else functools.partial(torch.optim.AdamW, fused=self.device.type == "cuda"))
+        # after GradSync: FSDP replaces the parameters by their shards
+        self.optimizer = adamw(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.step_idx = 0
         self.last_rollout: dict | None = None  # the latest step's prompts, completions and rewards
 
@@ -169,10 +167,8 @@ class Trainer:
         seeds = dist.shard(derive_seeds(cfg.seed, _ROLLOUT, self.step_idx, cfg.rows_per_step))
         prompts = [self.task.prompt(i) for i in examples]
         rollout = self.backend.generate(prompts, cfg.samples_per_prompt, cfg.max_new_tokens, self.params,
-                                        self.stops.backend_stops, seeds)
-        if len(rollout.tokens) != len(seeds):
-            raise RuntimeError(f"rollout backend returned {len(rollout.tokens)} completions, expected {len(seeds)}")
-        return examples, prompts, *self.stops.cut(rollout)
+                                        self.task.stops.backend_stops, seeds)
+        return examples, prompts, *self.task.stops.cut(rollout)
 
     def _rewards(self, examples: list[int], rollout) -> tuple[torch.Tensor, list[bool]]:
         """Stage 2: the task's reward of each completion (R,), and whether each is exactly correct."""
@@ -188,7 +184,7 @@ class Trainer:
         kept = train.nonzero().squeeze(1).tolist()
         index = kept or [0]
         batch = SequenceBatch.build([prompts[r // G] for r in index], [rollout.tokens[r] for r in index],
-                                    pad_id=self.pad_id, stop_ids=self.stops.ids, device=self.device)
+                                    pad_id=self.tokenizer.pad_id, device=self.device)
         offset = self.dist.rank * len(train)  # the global index of this rank's first rollout row
         most = max(1, int(trained.view(self.dist.world, -1).sum(1).max()))  # the most rows of one rank
         return _Rows(batch, adv[index].to(self.device), pad_rows([rollout.logprobs[r] for r in index], batch.C,
@@ -211,8 +207,7 @@ class Trainer:
         if fill:
             old_logp, entropy = torch.zeros_like(rows.rollout_logp), torch.zeros_like(rows.rollout_logp)
         sums = UpdateSums(self.device)
-        for k, epoch, minibatch, count in self._minibatches(rows, trained):
-            self.optimizer.zero_grad(set_to_none=True)
+        for k, epoch, minibatch, count in self._minibatches(rows, trained):  # _optimizer_step leaves no gradient
             for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch, count, rows.batch)):
                 mb, idx = self._select(rows.batch, micro)                                      # (m, T'), (m,)
                 with self.policy.accumulate(u == 0, last):  # the last backward reduces (DDP / FSDP)
@@ -226,7 +221,7 @@ class Trainer:
                     (loss * weight).backward()
                 if weight:
                     sums.add(loss, stats, mb.mask.sum())
-            sums.stepped(self._optimizer_step(k))
+            sums.norms.append(self._optimizer_step(k))
         return sums.metrics(self.dist, with_kl=ref_logp is not None), old_logp, entropy
 
     def _loss(self, logp, mask, idx, rows: _Rows, old_logp, ref_logp):
@@ -277,8 +272,7 @@ class Trainer:
     def _optimizer_step(self, k: int) -> torch.Tensor | None:
         """Clip the gradient and take the update's k-th optimizer step. Returns the pre-clip gradient norm, or None
         without a step for a NaN or inf one (one bad batch must not poison the weights)."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm or float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
         finite = bool(torch.isfinite(norm))
         if finite and isinstance(self.optimizer, StochasticAdamW):  # its rounding noise: a function of (seed, step, k)
             self.optimizer.step(derive_seeds(self.cfg.seed, _ROUND, self.step_idx, k + 1)[k])
@@ -303,20 +297,17 @@ class Trainer:
 
     @torch.no_grad()
     def _score(self, forward, batch: SequenceBatch, most: int = 0, return_entropy: bool = False):
-        """Log-probs (and entropy) (n, C) of every row of `batch` under `forward`, no grad, in as many micro-batches
-        as `most` rows need (the most of any rank): past n, on stand-ins."""
-        n, C, size = len(batch.prompt_lens), batch.C, self.cfg.score_batch_size
-        logp = torch.zeros((n, C), dtype=torch.float32, device=self.device)
-        entropy = torch.zeros((n, C), dtype=torch.float32, device=self.device) if return_entropy else None
+        """Log-probs and entropy (or None) (n, C) of every row of `batch` under `forward`, no grad, in as many
+        micro-batches as `most` rows need (the most of any rank): past n, on stand-ins."""
+        n, size = len(batch.prompt_lens), self.cfg.score_batch_size
+        out = torch.zeros((1 + return_entropy, n, batch.C), dtype=torch.float32, device=self.device)  # logp [, entropy]
         for s in range(0, max(n, most), size):
             rows = list(range(s, min(s + size, n)))
             mb, _ = self._select(batch, rows or [0])
-            out = forward(mb, return_entropy)
-            lp, ent = out if return_entropy else (out, None)
-            logp[s:s + len(rows), :mb.C] = lp[:len(rows)]                # padding rows and stand-ins dropped
-            if return_entropy:
-                entropy[s:s + len(rows), :mb.C] = ent[:len(rows)]
-        return logp, entropy
+            scores = forward(mb, return_entropy)
+            scores = torch.stack(scores if return_entropy else [scores])[:, :len(rows)]  # padding, stand-ins dropped
+            out[:, s:s + len(rows), :mb.C] = scores
+        return out[0], out[1] if return_entropy else None
 
     def _logprobs(self, model, batch: SequenceBatch, return_entropy: bool = False):
         return completion_logprobs(model, batch, temperature=self.cfg.temperature,

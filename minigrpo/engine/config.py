@@ -13,7 +13,6 @@ class EngineConfig:
     attn: str = "sdpa"              # decode attention backend: eager | sdpa | triton
     compile: str = "none"           # none | step (torch.compile(fullgraph=True) over the whole decode step)
     cuda_graphs: bool = False       # capture the step per bucket, and the prefill per padded shape
-    sample_in_graph: bool = True    # sampling + bookkeeping inside the compiled / captured step
     sampler: str = "torch"          # torch (reference) | triton (fused one-pass kernel, plain temperature)
     sync_every: int = 8             # decode steps between host syncs (stop detection, compaction)
     page_size: int = 16

@@ -58,8 +58,7 @@ class Engine:
         return max(2, min(full, int(free * cfg.kv_memory_fraction) // per_page))
 
     def load_weights(self, model: Qwen2ForCausalLM) -> None:
-        """Generate with the policy's weights from now on: shared when the policy has the engine's dtype and
-        device (later updates need no call), else copied, in place (decode.py). Captured graphs stay valid."""
+        """Generate with the policy's weights from now on: shared or copied in place (DecodeModel.load_from)."""
         self.model.load_from(model)
 
     def _pages_for(self, prompt_len: int, G: int, max_new: int) -> int:

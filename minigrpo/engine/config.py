@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minigrpo.engine.attention import BACKENDS
-from minigrpo.engine.decode import SAMPLERS
 
 
 @dataclass(frozen=True)
@@ -23,7 +22,7 @@ class EngineConfig:
     buckets: tuple[int, ...] = field(default=())  # default: powers of two from 8 up to max_batch
 
     def __post_init__(self):
-        for name, choices in (("attn", BACKENDS), ("sampler", SAMPLERS), ("compile", ("none", "step"))):
+        for name, choices in (("attn", BACKENDS), ("sampler", ("torch", "triton")), ("compile", ("none", "step"))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if self.sync_every < 1 or self.max_batch < 1 or self.max_seq_len < 2:

@@ -27,8 +27,6 @@ MAX_STOPS, STOP_LEN = 16, 4  # stop ids and stop token sequences of up to STOP_L
 class SlotState:
     """Per-slot decode state, preallocated at full capacity; a bucket of size B uses rows [0, B)."""
 
-    PER_SLOT = ("tok", "pos", "ctr", "seed", "limit", "done", "block_table", "out_tok", "out_logp")
-
     def __init__(self, capacity: int, table_width: int, out_width: int, device):
         def z(*shape, dtype=torch.int64):
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -48,7 +46,7 @@ class SlotState:
 
     def compact(self, keep: torch.Tensor, n_before: int) -> None:
         """Move rows `keep` to the front; rows after them become empty (done) slots."""
-        for name in self.PER_SLOT:
+        for name in ("tok", "pos", "ctr", "seed", "limit", "done", "block_table", "out_tok", "out_logp"):
             t = getattr(self, name)
             t[:len(keep)] = t[keep]
         self.done[len(keep):n_before] = True

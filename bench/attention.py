@@ -150,12 +150,12 @@ def bench_point(B, ctx, S, args, timer, gen):
 def sweep(q, seq_lens, scale, paged, timer, auto_splits):
     """Microseconds for other split counts and (block_n, num_warps, num_stages); failures are recorded."""
     stages = 2 if D >= 128 else 3  # launch_paged_decode's default
-    configs = [dict(num_splits=ns, block_n=kda.BLOCK_N, num_warps=4, num_stages=stages) for ns in (1, 2, 4, 8, 16)]
-    configs += [dict(num_splits=auto_splits, block_n=bn, num_warps=w, num_stages=st)
-                for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+    configs = [(ns, kda.BLOCK_N, 4, stages) for ns in (1, 2, 4, 8, 16)]
+    configs += [(auto_splits, bn, w, st) for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
     results = {}
-    for cfg in configs:
-        key = "splits={num_splits} block_n={block_n} warps={num_warps} stages={num_stages}".format(**cfg)
+    for ns, bn, w, st in configs:
+        cfg = {"num_splits": ns, "block_n": bn, "num_warps": w, "num_stages": st}
+        key = f"splits={ns} block_n={bn} warps={w} stages={st}"
         if key in results:
             continue
         try:

@@ -129,7 +129,7 @@ def bench_point(B, ctx, S, args, timer, gen):
 
     kp, vp, bt = paged[0]
     check = (paged_fn("triton")(kp, vp, bt).float() - paged_fn("sdpa")(kp, vp, bt).float()).abs().max().item()
-    num_splits = kda.default_config(B, HKV, bt.shape[1] * S, D, q.device).num_splits
+    num_splits = kda.choose_num_splits(B, HKV, bt.shape[1] * S, kda.sm_count(q.device))
 
     us = {
         "dense": timer(rotating(lambda k, v: F.scaled_dot_product_attention(q_groups, k, v, scale=scale), dense)),
@@ -143,24 +143,24 @@ def bench_point(B, ctx, S, args, timer, gen):
                gbps={k: kv_bytes / (t * 1e-6) / 1e9 for k, t in us.items()},
                gather_over_triton=us["gather"] / us["triton"], triton_over_dense=us["triton"] / us["dense"])
     if args.sweep:
-        row["sweep"] = sweep(q, seq_lens, scale, paged, S, timer, num_splits)
+        row["sweep"] = sweep(q, seq_lens, scale, paged, timer, num_splits)
     return row
 
 
-def sweep(q, seq_lens, scale, paged, S, timer, auto_splits):
+def sweep(q, seq_lens, scale, paged, timer, auto_splits):
     """Microseconds for other split counts and (block_n, num_warps, num_stages); failures are recorded."""
-    base = kda.default_config(q.shape[0], HKV, paged[0][2].shape[1] * S, D, q.device)
-    configs = [kda.LaunchConfig(ns, base.block_n, base.num_warps, base.num_stages) for ns in (1, 2, 4, 8, 16)]
-    configs += [kda.LaunchConfig(auto_splits, bn, w, st)
-                for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+    stages = 2 if D >= 128 else 3  # launch_paged_decode's default
+    configs = [(ns, kda.BLOCK_N, 4, stages) for ns in (1, 2, 4, 8, 16)]
+    configs += [(auto_splits, bn, w, st) for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
     results = {}
-    for cfg in configs:
-        key = f"splits={cfg.num_splits} block_n={cfg.block_n} warps={cfg.num_warps} stages={cfg.num_stages}"
+    for ns, bn, w, st in configs:
+        cfg = {"num_splits": ns, "block_n": bn, "num_warps": w, "num_stages": st}
+        key = f"splits={ns} block_n={bn} warps={w} stages={st}"
         if key in results:
             continue
         try:
             results[key] = timer(rotating(
-                lambda kp, vp, bt, cfg=cfg: kda.launch_paged_decode(q, kp, vp, bt, seq_lens, scale, cfg), paged))
+                lambda kp, vp, bt, cfg=cfg: kda.launch_paged_decode(q, kp, vp, bt, seq_lens, scale, **cfg), paged))
         except Exception as e:  # a config may not compile (e.g. shared memory): note it, keep sweeping
             results[key] = f"error: {type(e).__name__}: {str(e)[:200]}"
     return results

@@ -136,7 +136,7 @@ def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
     done.fill_(False)
     limit.fill_(1 << 30)
     ctr.zero_()
-    step, _ = engine.runner.units(B, SAMPLING)  # the step exactly as this engine config runs it
+    step = engine.runner.step(B, SAMPLING)  # the step exactly as this engine config runs it
 
     def rewind():  # each timed sample starts at context ctx: replays advance positions and counters
         pos.fill_(ctx)
@@ -217,13 +217,11 @@ def step_report(engine: Engine, B: int, explain: bool = True) -> dict:
         ex = torch._dynamo.explain(decode_step)(m, attn, SAMPLING, *st.args(B), kv.k, kv.v, engine.cfg.sampler)
         row.update(graphs=ex.graph_count, graph_breaks=ex.graph_break_count,
                    break_reasons=[str(b.reason) for b in ex.break_reasons])
-    unit, tail = engine.runner.units(B, SAMPLING)
-    unit()  # already compiled by the timed run; this one only warms the profiler's path
+    step = engine.runner.step(B, SAMPLING)
+    step()  # already compiled by the timed run; this one only warms the profiler's path
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        unit()
-        if tail is not None:
-            tail()
+        step()
         torch.cuda.synchronize()
     row["kernels_per_step"] = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
     return row

@@ -19,7 +19,6 @@ page, M block-table width (pages per sequence), NS splits of the sequence.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -141,8 +140,8 @@ def check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens) -> None:
         raise ValueError(f"all decode-attention inputs must be on one device, got {sorted(map(str, devices))}")
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+@functools.cache
+def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the CPU interpreter: small grids keep tests fast
@@ -154,21 +153,6 @@ def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int) 
     want = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch * kv_heads)
     cap = max(1, max_tokens // MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, cap, MAX_SPLITS))
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """How the kernels are launched. `default_config` picks one from static shapes; benchmarks sweep it."""
-    num_splits: int
-    block_n: int = BLOCK_N
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def default_config(batch: int, kv_heads: int, max_tokens: int, head_dim: int, device: torch.device):
-    # Fewer stages at D = 128 keep the shared memory per program (~38 KiB on sm_90) from growing further.
-    return LaunchConfig(num_splits=choose_num_splits(batch, kv_heads, max_tokens, _num_sms(device)),
-                        num_stages=2 if head_dim >= 128 else 3)
 
 
 # TRITON_INTERPRET=1 runs @triton.jit functions on CPU tensors (the tests), if it was set before triton's
@@ -183,25 +167,23 @@ def check_runnable(device: torch.device) -> None:
                            "TRITON_INTERPRET=1 before anything imports triton (torch._dynamo does)")
 
 
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
 # Defined before the op on purpose: triton_op records the kernels an op launches (torch.compile's cache
 # key) by reading the source of the functions it calls, which must exist when the decorator runs.
-def launch_paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale: float, config: LaunchConfig):
-    """Both kernels under an explicit configuration (inputs already checked). -> (B, Hq, D)."""
+def launch_paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale: float, num_splits: int = 0,
+                        block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 0):
+    """Both kernels (inputs already checked). -> (B, Hq, D). num_splits and num_stages 0 pick them from
+    static shapes; block_n, num_warps and num_stages are what `bench/attention.py --sweep` varies."""
     check_runnable(q.device)
     B, Hq, D = q.shape
     _, S, Hkv, _ = k_pool.shape
     M = block_table.shape[1]
-    NS = config.num_splits
-    if not _is_pow2(D) or D < 16:
+    if D < 16 or D & (D - 1):
         raise ValueError(f"head_dim must be a power of two >= 16 for the Triton kernel, got {D}")
-    if not _is_pow2(S):
+    if S & (S - 1):
         raise ValueError(f"page_size must be a power of two for the Triton kernel, got {S}")
-    if NS < 1 or not _is_pow2(config.block_n) or config.block_n < 16:
-        raise ValueError(f"invalid launch config {config}: need num_splits >= 1, block_n a power of two >= 16")
+    NS = num_splits or choose_num_splits(B, Hkv, M * S, sm_count(q.device))
+    # Fewer stages at D = 128 keep the shared memory per program (~38 KiB on sm_90) from growing further.
+    num_stages = num_stages or (2 if D >= 128 else 3)
     n_rep = Hq // Hkv
 
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)                        # (B, Hq, D)
@@ -214,8 +196,7 @@ def launch_paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale: float, 
         q.stride(0), q.stride(1), block_table.stride(0), o_part.stride(0), o_part.stride(1), stride_os,
         scale * LOG2E, M * S,
         HKV=Hkv, N_REP=n_rep, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), D=D, PAGE=S,
-        BLOCK_N=config.block_n, NUM_SPLITS=NS,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_N=block_n, NUM_SPLITS=NS, num_warps=num_warps, num_stages=num_stages,
     )
     if NS > 1:
         wrap_triton(_merge_splits_kernel)[(B * Hq,)](
@@ -234,12 +215,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens)
     if num_splits < 0:
         raise ValueError(f"num_splits must be 0 (auto) or positive, got {num_splits}")
-    B, _, D = q.shape
-    _, S, Hkv, _ = k_pool.shape
-    config = default_config(B, Hkv, block_table.shape[1] * S, D, q.device)
-    if num_splits:
-        config = replace(config, num_splits=num_splits)
-    return launch_paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale, config)
+    return launch_paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale, num_splits)
 
 
 if INTERPRETED:

@@ -19,6 +19,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 from minigrpo.engine.attention import BACKENDS, decode_attention, rope_store, rope_store_torch  # noqa: E402
+from minigrpo.engine.config import EngineConfig  # noqa: E402
 from minigrpo.model.qwen2 import apply_rope, rope_cos_sin  # noqa: E402
 
 
@@ -75,9 +76,8 @@ def dense_reference(q, dense_k, dense_v, lens, scale):
 
 
 def test_unknown_backend_lists_valid_ones():
-    q = torch.zeros(1, 2, 4)
-    with pytest.raises(ValueError, match="valid backends: eager, sdpa, triton"):
-        decode_attention("flash", q, q, q, q, q, 1.0)
+    with pytest.raises(ValueError, match=r"attn must be one of \('eager', 'sdpa', 'triton'\), got 'flash'"):
+        EngineConfig(attn="flash")
 
 
 def test_eager_hand_computed():

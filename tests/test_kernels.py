@@ -19,7 +19,6 @@ import contextlib  # noqa: E402
 import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -115,10 +114,8 @@ def test_decode_other_block_sizes(block_n, page_size):
     lens = [0, 5, 130, 300]
     k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, page_size, 2, 64, seed=11, device=DEVICE)
     q = torch.randn(len(lens), 14, 64, generator=torch.Generator().manual_seed(12)).to(DEVICE)
-    config = replace(kda.default_config(len(lens), 2, bt.shape[1] * page_size, 64, q.device),
-                     num_splits=2, block_n=block_n)
     with nan_filled_empty():
-        out = kda.launch_paged_decode(q, k_pool, v_pool, bt, sl, 0.125, config)
+        out = kda.launch_paged_decode(q, k_pool, v_pool, bt, sl, 0.125, num_splits=2, block_n=block_n)
     ref = decode_attention("eager", q, k_pool, v_pool, bt, sl, 0.125)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 

@@ -28,15 +28,9 @@ from minigrpo.model.qwen2 import apply_rope
 BACKENDS = ("eager", "sdpa", "triton")
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
-
-
 def decode_attention(backend: str, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached tokens. q (B, Hq, D) -> (B, Hq, D)."""
-    _check_backend(backend)
     if backend == "triton":
         return torch.ops.minigrpo.paged_decode_attention(q, k_pool, v_pool, block_table, seq_lens, scale)
     check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens)
@@ -82,7 +76,6 @@ def _sdpa_decode(q, k_pool, v_pool, block_table, seq_lens, scale):
 def rope_store(backend: str, q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
     """Rotate q and k at `positions`, store rotated k and v at `slots`; returns rotated q (B, Hq, D).
     The triton backend fuses it into one kernel; eager and sdpa use `rope_store_torch`."""
-    _check_backend(backend)
     if backend == "triton":
         return torch.ops.minigrpo.rope_store(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
     return rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin)

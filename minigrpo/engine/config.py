@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minigrpo.engine.attention import BACKENDS
-from minigrpo.engine.decode import SAMPLERS
 
 
 @dataclass(frozen=True)
@@ -13,7 +12,6 @@ class EngineConfig:
     attn: str = "sdpa"              # decode attention backend: eager | sdpa | triton
     compile: str = "none"           # none | step (torch.compile(fullgraph=True) over the whole decode step)
     cuda_graphs: bool = False       # capture the step per bucket, and the prefill per padded shape
-    sample_in_graph: bool = True    # sampling + bookkeeping inside the compiled / captured step
     sampler: str = "torch"          # torch (reference) | triton (fused one-pass kernel, plain temperature)
     sync_every: int = 8             # decode steps between host syncs (stop detection, compaction)
     page_size: int = 16
@@ -24,12 +22,9 @@ class EngineConfig:
     buckets: tuple[int, ...] = field(default=())  # default: powers of two from 8 up to max_batch
 
     def __post_init__(self):
-        if self.attn not in BACKENDS:
-            raise ValueError(f"attn must be one of {BACKENDS}, got {self.attn!r}")
-        if self.sampler not in SAMPLERS:
-            raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
-        if self.compile not in ("none", "step"):
-            raise ValueError(f"compile must be 'none' or 'step', got {self.compile!r}")
+        for name, choices in (("attn", BACKENDS), ("sampler", ("torch", "triton")), ("compile", ("none", "step"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if self.sync_every < 1 or self.max_batch < 1 or self.max_seq_len < 2:
             raise ValueError("sync_every, max_batch must be >= 1 and max_seq_len >= 2")
         if self.buckets and (max(self.buckets) != self.max_batch or sorted(set(self.buckets)) != list(self.buckets)):

@@ -135,9 +135,6 @@ class DecodeModel(nn.Module):
         return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)     # (B, V)
 
 
-SAMPLERS = ("torch", "triton")
-
-
 def sample_tokens(logits, params: SamplingParams, seed, ctr, sampler: str):
     """The reference sampler, or for plain temperature sampling the fused Triton kernel (the same draw).
     -> tokens (B,), log-probs (B,)."""

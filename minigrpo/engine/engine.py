@@ -20,6 +20,7 @@ import math
 from collections import deque
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from minigrpo.engine.config import EngineConfig
 from minigrpo.engine.decode import ANY_TOKEN, NO_STOP, DecodeModel, ends_with_stop, sample_tokens
@@ -58,8 +59,7 @@ class Engine:
         return max(2, min(full, int(free * cfg.kv_memory_fraction) // per_page))
 
     def load_weights(self, model: Qwen2ForCausalLM) -> None:
-        """Generate with the policy's weights from now on: shared when the policy has the engine's dtype and
-        device (later updates need no call), else copied, in place (decode.py). Captured graphs stay valid."""
+        """Generate with the policy's weights from now on: shared or copied in place (DecodeModel.load_from)."""
         self.model.load_from(model)
 
     def _pages_for(self, prompt_len: int, G: int, max_new: int) -> int:
@@ -166,14 +166,11 @@ class Engine:
         """Prefill each admitted prompt once, fan its K/V out to its G samples, sample their first tokens."""
         S, st, dev = self.cfg.page_size, self.state, self.device
         lens = [len(prompts[g]) for g in groups]
-        T = max(lens)
-        ids = torch.zeros(len(groups), T, dtype=torch.long)
-        slots = torch.full((len(groups), T), SCRATCH_PAGE * S, dtype=torch.long)  # pads write to scratch
+        ids = pad_sequence([torch.tensor(prompts[g]) for g in groups], batch_first=True)  # (groups, T), pad id 0
+        slots = torch.full_like(ids, SCRATCH_PAGE * S)                                 # pads write to scratch
         for r, g in enumerate(groups):
-            pages = seq_pages[g * G]                     # sample 0 holds the partial page during prefill
-            ids[r, :lens[r]] = torch.tensor(prompts[g])
-            t = torch.arange(lens[r])
-            slots[r, :lens[r]] = torch.tensor(pages)[t // S] * S + t % S
+            t = torch.arange(lens[r])                    # sample 0 holds the partial page during prefill
+            slots[r, :lens[r]] = torch.tensor(seq_pages[g * G])[t // S] * S + t % S
         logits = self.runner.prefill(ids.to(dev), torch.tensor(lens, device=dev), slots.to(dev))  # (groups, V)
         src, dst = [], []                                # partial prompt page: each sample gets its own copy
         for g, P in zip(groups, lens):

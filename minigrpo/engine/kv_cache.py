@@ -29,12 +29,14 @@ class KVCache:
             raise ValueError(f"page_size must be a power of two, got {page_size}")
         if num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is scratch), got {num_pages}")
+        L = cfg.num_hidden_layers
         shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         # One allocation per layer: torch.compile then writes the step's graph inputs in place, not via copies.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]  # L x (P, S, K, D)
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]  # L x (P, S, K, D)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)]  # L x (P, S, K, D)
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)]  # L x (P, S, K, D)
         self.page_size = page_size
         self.num_pages = num_pages
+        self.capacity = num_pages - 1  # pages that can ever be handed out (all but the scratch page)
         self._refs = [0] * num_pages
         self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # pop() hands out low page ids first
 
@@ -45,11 +47,6 @@ class KVCache:
     @property
     def num_free(self) -> int:
         return len(self._free)
-
-    @property
-    def capacity(self) -> int:
-        """Pages that can ever be handed out (all but the scratch page)."""
-        return self.num_pages - 1
 
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):

@@ -14,22 +14,13 @@ correct, nothing to sync). The fast engine (`--attn eager|sdpa|triton`) is `mini
 from __future__ import annotations
 
 import os
-from typing import Protocol
 
 import torch
 
 from minigrpo.model.generate import Rollout, generate
 from minigrpo.model.qwen2 import Qwen2ForCausalLM
-from minigrpo.model.sampling import SamplingParams
 
 ATTN_BACKENDS = ("reference", "eager", "sdpa", "triton")
-
-
-class RolloutBackend(Protocol):
-    def generate(self, prompts: list[list[int]], samples_per_prompt: int, max_new_tokens: int,
-                 params: SamplingParams, stop_ids: tuple[int | tuple[int, ...], ...], seeds: list[int]) -> Rollout: ...
-
-    def load_weights(self, model: Qwen2ForCausalLM) -> None: ...
 
 
 class ReferenceBackend:
@@ -56,22 +47,18 @@ class ReferenceBackend:
             self.model.train(was_training)
 
     def load_weights(self, model: Qwen2ForCausalLM) -> None:
-        if model is not self.model:
-            raise ValueError("ReferenceBackend generates with the policy module it was built with; "
-                             "load_weights got a different module")
+        """Nothing to load: this backend generates with the policy module itself."""
 
 
 def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: str | None = None,
                  cuda_graphs: bool | None = None, max_seq_len: int | None = None,
-                 max_batch: int | None = None, sampler: str | None = None) -> RolloutBackend:
+                 max_batch: int | None = None, sampler: str | None = None):
     """The rollout backend for `--attn`: the reference generator, or the fast engine with that attention.
 
     The engine runs bf16 on CUDA, fp32 on the CPU (where bf16 rounding would hide real mismatches). None
     picks the fastest setting (bench/NOTES.md): on CUDA the compiled, captured step and the Triton sampler;
     on the CPU the eager step and the reference sampler. max_seq_len and max_batch size the block tables
     and the KV pool; None keeps the engine's defaults."""
-    if attn not in ATTN_BACKENDS:
-        raise ValueError(f"unknown attention backend {attn!r}; choose one of {ATTN_BACKENDS}")
     if attn == "reference":
         return ReferenceBackend(model, pad_id)
     device = next(model.parameters()).device

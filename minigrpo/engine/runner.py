@@ -1,11 +1,11 @@
 """Where the engine's graph boundaries live: the per-slot state the decode step reads and writes, and the
 runner that turns the step and the prefill into callables under the engine's graph config.
 
-`compile="step"` wraps the decode step in torch.compile(fullgraph=True); `cuda_graphs` captures that
-step, compiled or not, once per (bucket, sampling params), and the eager prefill once per padded shape;
-`sample_in_graph` puts sampling and the slot bookkeeping inside the step or runs them eagerly after it.
-All captured graphs share one memory pool: they never run concurrently, and no output of one is read
-after another replays (the step writes into the slot state, outside the pool; logits are read at once).
+`compile="step"` wraps the decode step (model, sampling and slot bookkeeping) in
+torch.compile(fullgraph=True); `cuda_graphs` captures that step, compiled or not, once per (bucket, sampling
+params), and the eager prefill once per padded shape. All captured graphs share one memory pool: they never
+run concurrently, and no output of one is read after another replays (the step writes into the slot state,
+outside the pool; logits are read at once).
 
 Shape legend: B bucket (batch slots), M block-table width, W output width (max_seq_len + 1), n prompts
 in a prefill, T their padded length, V vocabulary.
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from minigrpo.engine.config import EngineConfig
-from minigrpo.engine.decode import NO_STOP, DecodeModel, advance, decode_step
+from minigrpo.engine.decode import NO_STOP, DecodeModel, decode_step
 from minigrpo.engine.kv_cache import SCRATCH_PAGE, KVCache
 from minigrpo.model.sampling import SamplingParams
 
@@ -26,8 +26,6 @@ MAX_STOPS, STOP_LEN = 16, 4  # stop ids and stop token sequences of up to STOP_L
 
 class SlotState:
     """Per-slot decode state, preallocated at full capacity; a bucket of size B uses rows [0, B)."""
-
-    PER_SLOT = ("tok", "pos", "ctr", "seed", "limit", "done", "block_table", "out_tok", "out_logp")
 
     def __init__(self, capacity: int, table_width: int, out_width: int, device):
         def z(*shape, dtype=torch.int64):
@@ -48,16 +46,10 @@ class SlotState:
 
     def compact(self, keep: torch.Tensor, n_before: int) -> None:
         """Move rows `keep` to the front; rows after them become empty (done) slots."""
-        for name in self.PER_SLOT:
+        for name in ("tok", "pos", "ctr", "seed", "limit", "done", "block_table", "out_tok", "out_logp"):
             t = getattr(self, name)
             t[:len(keep)] = t[keep]
         self.done[len(keep):n_before] = True
-
-
-def compile_like_eager(fn):
-    """torch.compile(fullgraph=True) that rounds each op's output as eager does (Inductor would keep fused
-    intermediates in fp32), so a bf16 greedy rollout does not depend on the compile mode."""
-    return torch.compile(fn, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
 
 
 PREFILL_ALIGN = 32  # captured prefills: prompt length rounded up to this, group count to a power of two
@@ -78,9 +70,11 @@ class StepRunner:
 
     def __init__(self, model: DecodeModel, kv: KVCache, state: SlotState, cfg: EngineConfig):
         self.model, self.kv, self.state, self.cfg = model, kv, state, cfg
-        self._compiled_step = compile_like_eager(decode_step)
-        self._compiled_logits = compile_like_eager(model.decode_logits)
-        self._prepared: dict = {}  # (bucket, params) -> (unit, tail), unit replaying a graph if captured
+        # emulate_precision_casts: each op's output rounds as in eager (Inductor would keep fused
+        # intermediates in fp32), so a bf16 greedy rollout does not depend on the compile mode.
+        compiled = torch.compile(decode_step, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
+        self._step = compiled if cfg.compile == "step" else decode_step
+        self._prepared: dict = {}  # (bucket, params) -> the step, replaying a graph if captured
         self._prefills: dict = {}  # padded (rows, T) -> (graph, static inputs, box holding its logits)
         self._pool = None          # one memory pool shared by all captured graphs
 
@@ -111,25 +105,10 @@ class StepRunner:
         graph.replay()
         return box["logits"][:n]                                                    # (n, V)
 
-    def units(self, B: int, params: SamplingParams):
-        """(graphable unit, eager tail or None) for one decode step on slots [0, B); both take no arguments.
-        With sampling in the graph the unit is the whole step; without, the tail samples eagerly."""
-        m, kv, attn = self.model, self.kv, self.cfg.attn
-        args = self.state.args(B)
-        if self.cfg.sample_in_graph:
-            step = self._compiled_step if self.cfg.compile == "step" else decode_step
-            return (lambda: step(m, attn, params, *args, kv.k, kv.v, self.cfg.sampler)), None
-        logits_fn = self._compiled_logits if self.cfg.compile == "step" else m.decode_logits
-        tok, pos, ctr, seed, limit, done, stops, table, out_tok, out_logp = args
-        box = {}  # after capture: the graph's static logits buffer, refreshed by every replay
-
-        def forward():
-            box["logits"] = logits_fn(attn, tok, pos, table, ~done, kv.k, kv.v)
-
-        def tail():
-            advance(box["logits"], params, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp,
-                    self.cfg.sampler)
-        return forward, tail
+    def step(self, B: int, params: SamplingParams):
+        """One decode step on slots [0, B), compiled if configured, as a callable of no arguments."""
+        cfg, kv, args = self.cfg, self.kv, self.state.args(B)
+        return lambda: self._step(self.model, cfg.attn, params, *args, kv.k, kv.v, cfg.sampler)
 
     def run(self, B: int, params: SamplingParams, n_steps: int) -> None:
         key = (B, params)
@@ -137,22 +116,18 @@ class StepRunner:
         # torch.compile's default recompile limit turn the step silently eager.
         with torch._dynamo.config.patch(recompile_limit=4 * len(self.cfg.bucket_sizes()) + 8):
             if key not in self._prepared:
-                unit, tail = self.units(B, params)
-                if self.cfg.cuda_graphs:
-                    unit = self._capture(unit).replay
-                self._prepared[key] = (unit, tail)
-            unit, tail = self._prepared[key]
+                step = self.step(B, params)
+                self._prepared[key] = self._capture(step).replay if self.cfg.cuda_graphs else step
+            step = self._prepared[key]
             for _ in range(n_steps):
-                unit()
-                if tail is not None:
-                    tail()
+                step()
 
-    def _capture(self, unit) -> torch.cuda.CUDAGraph:
+    def _capture(self, step) -> torch.cuda.CUDAGraph:
         """Capture one step with every slot marked done, so the warm-up steps store nothing and move no
         live sequence; the live state is restored after."""
         saved = {n: getattr(self.state, n).clone() for n in ("tok", "pos", "ctr", "done")}
         self.state.done.fill_(True)
-        graph = capture_graph(unit, self._pool)
+        graph = capture_graph(step, self._pool)
         self._pool = graph.pool()
         for n, t in saved.items():
             getattr(self.state, n).copy_(t)

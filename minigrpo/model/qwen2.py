@@ -111,21 +111,16 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen2Model(nn.Module):
-    """Embedding, decoder stack, final norm: HF's `model.*` submodule."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class Qwen2ForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = Qwen2Model(cfg)
+        # HF's `model.*` submodule: embedding, decoder stack, final norm
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        ))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 

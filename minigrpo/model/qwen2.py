@@ -137,14 +137,9 @@ class Qwen2ForCausalLM(nn.Module):
         tokens before each one, so a left-padded row computes exactly what it computes alone.
         checkpoint_layers: with gradients on, recompute each layer in backward (one tensor kept per layer,
         not ~20, for one more forward pass; the same gradients)."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
         mask = None
         if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
-                                 f"{tuple(input_ids.shape)}")
             real = attention_mask.bool()                                                  # (B, T)
             if positions is None:
                 positions = (real.long().cumsum(-1) - 1).clamp(min=0)                     # (B, T)

@@ -126,12 +126,6 @@ class Tokenizer:
         """`render_chat` then `encode`: the prompt ids the model sees."""
         return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt))
 
-    def __repr__(self) -> str:
-        return (
-            f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
-            f"pad_id={self.pad_id}, stop_ids={self.stop_ids})"
-        )
-
 
 def _check_added_tokens_agree(bpe: _BPE, config: Mapping[str, Any], path: Path) -> None:
     """tokenizer_config.json and tokenizer.json must map special tokens to the same ids (same model's files)."""

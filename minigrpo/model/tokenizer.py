@@ -134,21 +134,12 @@ def _check_added_tokens_agree(bpe: _BPE, config: Mapping[str, Any], path: Path) 
 
 
 def _validate_messages(messages: Any) -> None:
-    """Reject what the plain-Python template does not cover, with a message saying what is wrong."""
-    if isinstance(messages, (Mapping, str)) or not isinstance(messages, Sequence):
-        raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
-                         f"got {type(messages).__name__}")
-    if len(messages) == 0:
-        raise ValueError("messages is empty: a chat needs at least one message")
+    """Reject what the plain-Python template does not cover: tools, other roles, content that is not text."""
+    if isinstance(messages, (Mapping, str)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
+                         f"got {messages!r}")
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
-        role = m.get("role")
-        if role == "tool" or m.get("tool_calls"):
-            raise ValueError(f"messages[{i}] uses tools (role 'tool' or 'tool_calls'), which render_chat does not "
-                             "support; only plain system/user/assistant turns are rendered")
-        if role not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}] has unknown role {role!r}; expected one of {CHAT_ROLES}")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}] content must be a str, got {type(m.get('content')).__name__} "
-                             "(multimodal/list content and missing content are not supported)")
+        if (not isinstance(m, Mapping) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str)
+                or m.get("tool_calls")):
+            raise ValueError(f"messages[{i}] is {m!r}; render_chat renders only {CHAT_ROLES} turns with str "
+                             "content (no tools, no multimodal content)")

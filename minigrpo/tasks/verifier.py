@@ -58,8 +58,6 @@ def last_boxed(text: str) -> str | None:
 
 def extract_answer(text: str) -> str | None:
     """The model's final answer as a string (not yet normalised), or None if the text holds none."""
-    if not isinstance(text, str):
-        raise TypeError(f"extract_answer expects str, got {type(text).__name__}")
     text = text[-MAX_TEXT_CHARS:]
     boxed = last_boxed(text)
     if boxed is not None:

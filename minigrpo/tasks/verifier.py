@@ -70,11 +70,9 @@ def extract_answer(text: str) -> str | None:
 
 
 def _parse_plain(num: str) -> float | None:
-    """float() of one `_NUMBER` match: commas dropped, a/b divided; None if not finite."""
-    try:
-        values = [float(p.strip().replace(",", "")) for p in num.split("/")]
-    except ValueError:  # e.g. a lone "." cannot come from _NUMBER, but stay total
-        return None
+    """float() of one `_NUMBER` match (each part holds a digit, so float() parses it): commas dropped,
+    a/b divided; None if not finite."""
+    values = [float(p.strip().replace(",", "")) for p in num.split("/")]
     if len(values) == 2 and values[1] == 0:
         return None
     value = values[0] / values[1] if len(values) == 2 else values[0]

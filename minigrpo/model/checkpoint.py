@@ -31,23 +31,23 @@ class CheckpointError(ValueError):
     """A model directory whose weights do not match the config, or are unreadable."""
 
 
-def _weight_files(model_dir: Path) -> dict[str, Path]:
-    """Map each safetensors file to read -> its path, from the index when the checkpoint is sharded."""
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files to read: the index's shards when the checkpoint is sharded, else the one file."""
     index = model_dir / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from None
-        files = {name: model_dir / name for name in sorted(set(weight_map.values()))}
-        missing = [str(p) for p in files.values() if not p.is_file()]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(p) for p in files if not p.is_file()]
         if missing:
             raise FileNotFoundError(f"{index} lists shard(s) that are not there: {missing}; "
                                     f"the download is incomplete, run `python weights/download.py` again")
         return files
     single = model_dir / SINGLE_FILE
     if single.is_file():
-        return {SINGLE_FILE: single}
+        return [single]
     present = sorted(p.name for p in model_dir.iterdir()) if model_dir.is_dir() else []
     raise FileNotFoundError(f"no weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE}, found {present}. "
                             f"Download with `python weights/download.py`, or write a random model with "
@@ -59,7 +59,7 @@ def read_state_dict(model_dir: str | Path, dtype: torch.dtype, device: str | tor
     model_dir = Path(model_dir)
     device = str(torch.device(device))
     state = {}
-    for name, path in _weight_files(model_dir).items():
+    for path in _weight_files(model_dir):
         try:
             with safe_open(path, framework="pt", device=device) as f:
                 for key in f.keys():

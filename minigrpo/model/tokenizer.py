@@ -106,14 +106,11 @@ class Tokenizer:
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render a conversation exactly as Qwen2.5's Jinja chat template does (tools excluded)."""
         _validate_messages(messages)
-        # The template always opens with a system turn; a leading system message replaces the default one.
-        if messages[0]["role"] == "system":
-            system, rest = messages[0]["content"], messages[1:]
-        else:
-            system, rest = DEFAULT_SYSTEM_PROMPT, messages
+        # The template always opens with a system turn: the default one unless the chat starts with its own.
         # A later system message is not special-cased by the template: it is rendered like any other turn.
-        turns = [("system", system)] + [(m["role"], m["content"]) for m in rest]
-        text = "".join(f"{IM_START}{role}\n{content}{IM_END}\n" for role, content in turns)
+        if messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, *messages]
+        text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
         if add_generation_prompt:
             text += f"{IM_START}assistant\n"
         return text

@@ -111,11 +111,10 @@ def save_model(model: Qwen2ForCausalLM, out_dir: str | Path, *, tokenizer_dir: s
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"cannot save a model to {out_dir}: it exists and is not a directory")
     cfg = model.config
-    state = {}
-    for k, v in (model.state_dict() if weights is None else weights).items():
-        if cfg.tie_word_embeddings and k == "lm_head.weight":
-            continue  # tied: transformers re-ties it from the embedding on load
-        state[k] = v.detach().to(dtype or v.dtype, copy=False).contiguous().cpu()
+    # Tied: no lm_head.weight; transformers re-ties it from the embedding on load.
+    state = {k: v.detach().to(dtype or v.dtype, copy=False).contiguous().cpu()
+             for k, v in (model.state_dict() if weights is None else weights).items()
+             if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     saved_dtype = next(iter(state.values())).dtype
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

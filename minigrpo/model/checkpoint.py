@@ -27,10 +27,6 @@ COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.js
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
-    """A model directory whose weights do not match the config, or are unreadable."""
-
-
 def _weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files to read: the index's shards when the checkpoint is sharded, else the one file."""
     index = model_dir / INDEX_FILE
@@ -38,7 +34,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from None
+            raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from None
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [str(p) for p in files if not p.is_file()]
         if missing:
@@ -64,10 +60,10 @@ def read_state_dict(model_dir: str | Path, dtype: torch.dtype, device: str | tor
             with safe_open(path, framework="pt", device=device) as f:
                 for key in f.keys():
                     if key in state:
-                        raise CheckpointError(f"tensor {key!r} appears in more than one file (again in {path})")
+                        raise ValueError(f"tensor {key!r} appears in more than one file (again in {path})")
                     state[key] = f.get_tensor(key).to(dtype)
         except SafetensorError as e:
-            raise CheckpointError(f"{path} is truncated or corrupt and cannot be read ({e}); "
+            raise ValueError(f"{path} is truncated or corrupt and cannot be read ({e}); "
                                   f"delete it and download again") from None
     return state
 
@@ -90,13 +86,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(f"{model_dir}: weights do not match config.json: "
+        raise ValueError(f"{model_dir}: weights do not match config.json: "
                               f"missing {len(missing)} tensor(s) {missing[:20]}, "
                               f"unexpected {len(unexpected)} tensor(s) {unexpected[:20]}")
     bad = [f"{k}: expected {tuple(expected[k])}, found {tuple(v.shape)}"
            for k, v in state.items() if v.shape != expected[k]]
     if bad:
-        raise CheckpointError(f"{model_dir}: shape mismatch with config.json for {len(bad)} tensor(s): "
+        raise ValueError(f"{model_dir}: shape mismatch with config.json for {len(bad)} tensor(s): "
                               + "; ".join(bad[:20]))
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter; share it again

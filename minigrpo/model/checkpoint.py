@@ -64,7 +64,7 @@ def read_state_dict(model_dir: str | Path, dtype: torch.dtype, device: str | tor
                     state[key] = f.get_tensor(key).to(dtype)
         except SafetensorError as e:
             raise ValueError(f"{path} is truncated or corrupt and cannot be read ({e}); "
-                                  f"delete it and download again") from None
+                             f"delete it and download again") from None
     return state
 
 
@@ -87,13 +87,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ValueError(f"{model_dir}: weights do not match config.json: "
-                              f"missing {len(missing)} tensor(s) {missing[:20]}, "
-                              f"unexpected {len(unexpected)} tensor(s) {unexpected[:20]}")
+                         f"missing {len(missing)} tensor(s) {missing[:20]}, "
+                         f"unexpected {len(unexpected)} tensor(s) {unexpected[:20]}")
     bad = [f"{k}: expected {tuple(expected[k])}, found {tuple(v.shape)}"
            for k, v in state.items() if v.shape != expected[k]]
     if bad:
         raise ValueError(f"{model_dir}: shape mismatch with config.json for {len(bad)} tensor(s): "
-                              + "; ".join(bad[:20]))
+                         + "; ".join(bad[:20]))
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter; share it again
     return model

@@ -36,10 +36,10 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
-                              f"num_attention_heads {self.num_attention_heads}")
+                             f"num_attention_heads {self.num_attention_heads}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                              f"num_key_value_heads {self.num_key_value_heads} (grouped-query attention)")
+                             f"num_key_value_heads {self.num_key_value_heads} (grouped-query attention)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
 
@@ -93,21 +93,21 @@ def _check_supported(d: dict, source: Path) -> None:
     model_type = d.get("model_type")
     if model_type != "qwen2":
         raise ValueError(f"{source}: model_type {model_type!r} is not supported; minigrpo implements "
-                          f"the Qwen2/Qwen2.5 architecture (model_type 'qwen2') only")
+                         f"the Qwen2/Qwen2.5 architecture (model_type 'qwen2') only")
     if d.get("use_sliding_window", False):
         raise ValueError(f"{source}: use_sliding_window=true is not supported (sliding-window attention "
-                          f"is not implemented); set it to false or use a model without it")
+                         f"is not implemented); set it to false or use a model without it")
     rope_scaling = d.get("rope_scaling")
     if rope_scaling not in (None, {}) and (rope_scaling.get("rope_type", rope_scaling.get("type")) != "default"):
         raise ValueError(f"{source}: rope_scaling {rope_scaling!r} is not supported; only plain RoPE "
-                          f"(rope_scaling null) is implemented")
+                         f"(rope_scaling null) is implemented")
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{source}: hidden_act {act!r} is not supported; Qwen2 uses 'silu' (SwiGLU)")
-    head_dim = d.get("head_dim")
-    if head_dim is not None and d.get("num_attention_heads") and head_dim * d["num_attention_heads"] != d.get("hidden_size"):
-        raise ValueError(f"{source}: head_dim {head_dim} x num_attention_heads {d['num_attention_heads']} != "
-                          f"hidden_size {d.get('hidden_size')}; a decoupled head_dim is not supported")
+    head_dim, heads = d.get("head_dim"), d.get("num_attention_heads")
+    if head_dim is not None and heads and head_dim * heads != d.get("hidden_size"):
+        raise ValueError(f"{source}: head_dim {head_dim} x num_attention_heads {heads} != "
+                         f"hidden_size {d.get('hidden_size')}; a decoupled head_dim is not supported")
     rope_params = d.get("rope_parameters")
     if isinstance(rope_params, dict) and rope_params.get("rope_type", "default") != "default":
         raise ValueError(f"{source}: rope_parameters {rope_params!r} are not supported; only plain RoPE is")

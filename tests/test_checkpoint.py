@@ -117,7 +117,7 @@ def test_missing_and_unexpected_tensors_are_listed(ckpt):
     state["model.layers.9.mlp.up_proj.weight"] = torch.zeros(1)
     save_file(state, ckpt / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing 1 tensor\(s\) \['model.layers.1.mlp.up_proj.weight'\], "
-                                              r"unexpected 1 tensor\(s\) \['model.layers.9.mlp.up_proj.weight'\]"):
+                                         r"unexpected 1 tensor\(s\) \['model.layers.9.mlp.up_proj.weight'\]"):
         load_model(ckpt, torch.float32)
 
 

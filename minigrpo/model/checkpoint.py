@@ -50,9 +50,8 @@ def _weight_files(model_dir: Path) -> list[Path]:
                             f"`python weights/download.py --random-init --config CONFIG --out DIR`")
 
 
-def read_state_dict(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
+def _read_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
     """Every tensor of a model directory, read onto `device` and cast to `dtype` one tensor at a time."""
-    model_dir = Path(model_dir)
     device = str(torch.device(device))
     state = {}
     for path in _weight_files(model_dir):
@@ -80,7 +79,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
         model = Qwen2ForCausalLM(cfg)
     # Some tied checkpoints store lm_head.weight anyway; the embedding is the truth.
     tied = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    state = {k: v for k, v in read_state_dict(model_dir, dtype, device).items()
+    state = {k: v for k, v in _read_state_dict(model_dir, dtype, device).items()
              if not k.endswith(_IGNORED_SUFFIXES) and k not in tied}
     expected = {k: v.shape for k, v in model.state_dict().items() if k not in tied}
     missing = sorted(set(expected) - set(state))

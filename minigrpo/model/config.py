@@ -65,7 +65,7 @@ class ModelConfig:
         missing = [f for f in _REQUIRED if f not in d]
         if missing:
             raise ValueError(f"{path}: missing required field(s) {missing}")
-        kwargs = {f: d[f] for f in _FIELDS if f in d}
+        kwargs = {f: d[f] for f in cls.__dataclass_fields__ if f in d}
         kwargs.setdefault("num_key_value_heads", d["num_attention_heads"])  # HF's default: no GQA
         rope_params = d.get("rope_parameters")  # transformers 5 nests rope_theta here
         if isinstance(rope_params, dict) and "rope_theta" in rope_params:
@@ -84,7 +84,6 @@ class ModelConfig:
         return d
 
 
-_FIELDS = [f for f in ModelConfig.__dataclass_fields__]
 _REQUIRED = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
 
 

@@ -10,7 +10,7 @@ import torch
 from conftest import QWEN_DIR, random_model, tiny_config
 from safetensors.torch import load_file, save_file
 
-from minigrpo.model.checkpoint import CheckpointError, load_model, save_model
+from minigrpo.model.checkpoint import load_model, save_model
 
 transformers = pytest.importorskip("transformers")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,13 +101,13 @@ def test_missing_directory_and_missing_weights(tmp_path, ckpt):
 def test_truncated_file(ckpt):
     path = ckpt / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(CheckpointError, match="model.safetensors is truncated or corrupt"):
+    with pytest.raises(ValueError, match="model.safetensors is truncated or corrupt"):
         load_model(ckpt, torch.float32)
 
 
 def test_garbage_file(ckpt):
     (ckpt / "model.safetensors").write_bytes(b"\x00" * 64)
-    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+    with pytest.raises(ValueError, match="truncated or corrupt"):
         load_model(ckpt, torch.float32)
 
 
@@ -116,8 +116,8 @@ def test_missing_and_unexpected_tensors_are_listed(ckpt):
     del state["model.layers.1.mlp.up_proj.weight"]
     state["model.layers.9.mlp.up_proj.weight"] = torch.zeros(1)
     save_file(state, ckpt / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\) \['model.layers.1.mlp.up_proj.weight'\], "
-                                              r"unexpected 1 tensor\(s\) \['model.layers.9.mlp.up_proj.weight'\]"):
+    with pytest.raises(ValueError, match=r"missing 1 tensor\(s\) \['model.layers.1.mlp.up_proj.weight'\], "
+                                         r"unexpected 1 tensor\(s\) \['model.layers.9.mlp.up_proj.weight'\]"):
         load_model(ckpt, torch.float32)
 
 
@@ -125,7 +125,7 @@ def test_shape_mismatch_names_tensor_and_shapes(ckpt):
     state = load_file(ckpt / "model.safetensors")
     state["model.norm.weight"] = torch.ones(7)
     save_file(state, ckpt / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"model.norm.weight: expected \(112,\), found \(7,\)"):
+    with pytest.raises(ValueError, match=r"model.norm.weight: expected \(112,\), found \(7,\)"):
         load_model(ckpt, torch.float32)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import random_model, tiny_config
 
-from minigrpo.model.config import ConfigError, ModelConfig
+from minigrpo.model.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,7 +83,7 @@ def test_unsupported_config_is_a_clear_error(tmp_path, change, message):
     d = tiny_config().to_hf_dict()
     d.update(change)
     (tmp_path / "config.json").write_text(__import__("json").dumps(d))
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ValueError, match=message):
         ModelConfig.from_json(tmp_path)
 
 
@@ -91,7 +91,7 @@ def test_missing_or_broken_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelConfig.from_json(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="is not valid JSON"):
+    with pytest.raises(ValueError, match="is not valid JSON"):
         ModelConfig.from_json(tmp_path)
 
 

@@ -1,6 +1,5 @@
 """On-device sampling: the right distribution, the filters, and seeds that do not depend on batch layout."""
 
-import pytest
 import torch
 
 from minigrpo.model.sampling import GREEDY, SAMPLE_CHUNK, SamplingParams, filter_logits, sample, uniform_noise
@@ -79,9 +78,6 @@ def test_a_sequence_samples_the_same_wherever_it_sits_in_the_batch():
     assert not torch.equal(a, c)  # a different seed draws differently
 
 
-def test_greedy_and_bad_params():
+def test_greedy():
     logits = torch.tensor([[0.1, 0.9, 0.3]])
     assert sample(logits, GREEDY, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))[0].item() == 1
-    for bad, msg in (({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k")):
-        with pytest.raises(ValueError, match=msg):
-            SamplingParams(**bad)

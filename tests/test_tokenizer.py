@@ -133,7 +133,7 @@ def test_decode_accepts_tensors(tok):
     torch = pytest.importorskip("torch")
     ids = tok.encode("Natalia sold clips to 48 of her friends.")
     assert tok.decode(torch.tensor(ids)) == "Natalia sold clips to 48 of her friends."
-    with pytest.raises(ValueError, match="1-D sequence.*each row on its own"):
+    with pytest.raises(TypeError):  # a batch is not decoded as one sequence
         tok.decode(torch.tensor([ids, ids[::-1]]))
 
 
@@ -147,17 +147,16 @@ def test_stop_pad_ids_and_sizes(tok, hf):
 @pytest.mark.parametrize(
     "messages, match",
     [
-        ([], "messages is empty"),
-        ({"role": "user", "content": "hi"}, "must be a list"),
-        ([{"role": "tool", "content": "42"}], r"messages\[0\] uses tools"),
+        ([], "must be a non-empty list"),
+        ({"role": "user", "content": "hi"}, "must be a non-empty list"),
+        ([{"role": "tool", "content": "42"}], r"messages\[0\] is .*no tools"),
         ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}],
-         r"messages\[1\] uses tools"),
-        ([{"role": "robot", "content": "beep"}], r"messages\[0\] has unknown role 'robot'"),
-        ([{"content": "no role"}], "unknown role None"),
-        ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-         r"messages\[0\] content must be a str, got list"),
-        ([{"role": "user"}], "content must be a str, got NoneType"),
-        (["hi"], r"messages\[0\] must be a dict"),
+         r"messages\[1\] is .*no tools"),
+        ([{"role": "robot", "content": "beep"}], r"messages\[0\] is \{'role': 'robot'.*renders only"),
+        ([{"content": "no role"}], r"messages\[0\] is .*renders only"),
+        ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], r"messages\[0\] is .*with str content"),
+        ([{"role": "user"}], r"messages\[0\] is .*with str content"),
+        (["hi"], r"messages\[0\] is 'hi'"),
     ],
 )
 def test_bad_chat_input(tok, messages, match):
@@ -166,7 +165,7 @@ def test_bad_chat_input(tok, messages, match):
 
 
 def test_encode_rejects_non_str(tok):
-    with pytest.raises(ValueError, match="encode expects a str, got list"):
+    with pytest.raises(TypeError, match="must be str"):
         tok.encode([1, 2])
 
 

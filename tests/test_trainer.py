@@ -581,8 +581,6 @@ def test_qa_task_prompt_and_reward():
     assert task.prompt(0) == tokenizer.encode_chat([{"role": "user", "content": user}])
     assert task.score(0, tokenizer.encode("So \\boxed{8}.<|im_end|>")) == (1.0, True)
     assert task.score(0, tokenizer.encode("So \\boxed{9}.<|im_end|>")) == (0.0, False)
-    with pytest.raises(ValueError, match="reward mode must be one of"):
-        QATask(task.examples, tokenizer, reward_mode="Boxed")
 
 
 def test_policy_dtype_must_match_the_weights_setting(tmp_path):

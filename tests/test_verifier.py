@@ -121,7 +121,7 @@ def test_tolerance_is_relative_to_truth():
 
 
 def test_non_string_completion_is_a_type_error():
-    with pytest.raises(TypeError, match="expects str"):
+    with pytest.raises(TypeError):
         extract_answer(None)
 
 

@@ -27,48 +27,43 @@ COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.js
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
-    """A model directory whose weights do not match the config, or are unreadable."""
-
-
-def _weight_files(model_dir: Path) -> dict[str, Path]:
-    """Map each safetensors file to read -> its path, from the index when the checkpoint is sharded."""
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files to read: the index's shards when the checkpoint is sharded, else the one file."""
     index = model_dir / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from None
-        files = {name: model_dir / name for name in sorted(set(weight_map.values()))}
-        missing = [str(p) for p in files.values() if not p.is_file()]
+            raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(p) for p in files if not p.is_file()]
         if missing:
             raise FileNotFoundError(f"{index} lists shard(s) that are not there: {missing}; "
                                     f"the download is incomplete, run `python weights/download.py` again")
         return files
     single = model_dir / SINGLE_FILE
     if single.is_file():
-        return {SINGLE_FILE: single}
+        return [single]
     present = sorted(p.name for p in model_dir.iterdir()) if model_dir.is_dir() else []
     raise FileNotFoundError(f"no weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE}, found {present}. "
                             f"Download with `python weights/download.py`, or write a random model with "
                             f"`python weights/download.py --random-init --config CONFIG --out DIR`")
 
 
-def read_state_dict(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
+def _read_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
     """Every tensor of a model directory, read onto `device` and cast to `dtype` one tensor at a time."""
-    model_dir = Path(model_dir)
     device = str(torch.device(device))
     state = {}
-    for name, path in _weight_files(model_dir).items():
+    for path in _weight_files(model_dir):
         try:
             with safe_open(path, framework="pt", device=device) as f:
                 for key in f.keys():
                     if key in state:
-                        raise CheckpointError(f"tensor {key!r} appears in more than one file (again in {path})")
+                        raise ValueError(f"tensor {key!r} appears in more than one file (again in {path})")
                     state[key] = f.get_tensor(key).to(dtype)
         except SafetensorError as e:
-            raise CheckpointError(f"{path} is truncated or corrupt and cannot be read ({e}); "
-                                  f"delete it and download again") from None
+            raise ValueError(f"{path} is truncated or corrupt and cannot be read ({e}); "
+                             f"delete it and download again") from None
     return state
 
 
@@ -84,20 +79,20 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
         model = Qwen2ForCausalLM(cfg)
     # Some tied checkpoints store lm_head.weight anyway; the embedding is the truth.
     tied = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    state = {k: v for k, v in read_state_dict(model_dir, dtype, device).items()
+    state = {k: v for k, v in _read_state_dict(model_dir, dtype, device).items()
              if not k.endswith(_IGNORED_SUFFIXES) and k not in tied}
     expected = {k: v.shape for k, v in model.state_dict().items() if k not in tied}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(f"{model_dir}: weights do not match config.json: "
-                              f"missing {len(missing)} tensor(s) {missing[:20]}, "
-                              f"unexpected {len(unexpected)} tensor(s) {unexpected[:20]}")
+        raise ValueError(f"{model_dir}: weights do not match config.json: "
+                         f"missing {len(missing)} tensor(s) {missing[:20]}, "
+                         f"unexpected {len(unexpected)} tensor(s) {unexpected[:20]}")
     bad = [f"{k}: expected {tuple(expected[k])}, found {tuple(v.shape)}"
            for k, v in state.items() if v.shape != expected[k]]
     if bad:
-        raise CheckpointError(f"{model_dir}: shape mismatch with config.json for {len(bad)} tensor(s): "
-                              + "; ".join(bad[:20]))
+        raise ValueError(f"{model_dir}: shape mismatch with config.json for {len(bad)} tensor(s): "
+                         + "; ".join(bad[:20]))
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter; share it again
     return model
@@ -111,11 +106,10 @@ def save_model(model: Qwen2ForCausalLM, out_dir: str | Path, *, tokenizer_dir: s
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"cannot save a model to {out_dir}: it exists and is not a directory")
     cfg = model.config
-    state = {}
-    for k, v in (model.state_dict() if weights is None else weights).items():
-        if cfg.tie_word_embeddings and k == "lm_head.weight":
-            continue  # tied: transformers re-ties it from the embedding on load
-        state[k] = v.detach().to(dtype or v.dtype, copy=False).contiguous().cpu()
+    # Tied: no lm_head.weight; transformers re-ties it from the embedding on load.
+    state = {k: v.detach().to(dtype or v.dtype, copy=False).contiguous().cpu()
+             for k, v in (model.state_dict() if weights is None else weights).items()
+             if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     saved_dtype = next(iter(state.values())).dtype
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

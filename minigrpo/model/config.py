@@ -12,10 +12,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
-class ConfigError(ValueError):
-    """A config.json this implementation cannot run faithfully."""
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -37,15 +33,15 @@ class ModelConfig:
                      "num_attention_heads", "num_key_value_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by "
-                              f"num_attention_heads {self.num_attention_heads}")
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
+                             f"num_attention_heads {self.num_attention_heads}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                              f"num_key_value_heads {self.num_key_value_heads} (grouped-query attention)")
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads} (grouped-query attention)")
         if self.head_dim % 2:
-            raise ConfigError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
 
     @property
     def head_dim(self) -> int:
@@ -62,22 +58,22 @@ class ModelConfig:
         try:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
         if not isinstance(d, dict):
-            raise ConfigError(f"{path} must hold a JSON object, found {type(d).__name__}")
+            raise ValueError(f"{path} must hold a JSON object, found {type(d).__name__}")
         _check_supported(d, path)
         missing = [f for f in _REQUIRED if f not in d]
         if missing:
-            raise ConfigError(f"{path}: missing required field(s) {missing}")
-        kwargs = {f: d[f] for f in _FIELDS if f in d}
+            raise ValueError(f"{path}: missing required field(s) {missing}")
+        kwargs = {f: d[f] for f in cls.__dataclass_fields__ if f in d}
         kwargs.setdefault("num_key_value_heads", d["num_attention_heads"])  # HF's default: no GQA
         rope_params = d.get("rope_parameters")  # transformers 5 nests rope_theta here
         if isinstance(rope_params, dict) and "rope_theta" in rope_params:
             kwargs.setdefault("rope_theta", rope_params["rope_theta"])
         try:
             return cls(**kwargs)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def to_hf_dict(self, torch_dtype: str = "bfloat16") -> dict:
         """A config.json that transformers' Qwen2ForCausalLM loads as this exact architecture."""
@@ -88,7 +84,6 @@ class ModelConfig:
         return d
 
 
-_FIELDS = [f for f in ModelConfig.__dataclass_fields__]
 _REQUIRED = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
 
 
@@ -96,22 +91,22 @@ def _check_supported(d: dict, source: Path) -> None:
     """Reject settings that would change the computation but that this implementation does not implement."""
     model_type = d.get("model_type")
     if model_type != "qwen2":
-        raise ConfigError(f"{source}: model_type {model_type!r} is not supported; minigrpo implements "
-                          f"the Qwen2/Qwen2.5 architecture (model_type 'qwen2') only")
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported; minigrpo implements "
+                         f"the Qwen2/Qwen2.5 architecture (model_type 'qwen2') only")
     if d.get("use_sliding_window", False):
-        raise ConfigError(f"{source}: use_sliding_window=true is not supported (sliding-window attention "
-                          f"is not implemented); set it to false or use a model without it")
+        raise ValueError(f"{source}: use_sliding_window=true is not supported (sliding-window attention "
+                         f"is not implemented); set it to false or use a model without it")
     rope_scaling = d.get("rope_scaling")
     if rope_scaling not in (None, {}) and (rope_scaling.get("rope_type", rope_scaling.get("type")) != "default"):
-        raise ConfigError(f"{source}: rope_scaling {rope_scaling!r} is not supported; only plain RoPE "
-                          f"(rope_scaling null) is implemented")
+        raise ValueError(f"{source}: rope_scaling {rope_scaling!r} is not supported; only plain RoPE "
+                         f"(rope_scaling null) is implemented")
     act = d.get("hidden_act", "silu")
     if act != "silu":
-        raise ConfigError(f"{source}: hidden_act {act!r} is not supported; Qwen2 uses 'silu' (SwiGLU)")
-    head_dim = d.get("head_dim")
-    if head_dim is not None and d.get("num_attention_heads") and head_dim * d["num_attention_heads"] != d.get("hidden_size"):
-        raise ConfigError(f"{source}: head_dim {head_dim} x num_attention_heads {d['num_attention_heads']} != "
-                          f"hidden_size {d.get('hidden_size')}; a decoupled head_dim is not supported")
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported; Qwen2 uses 'silu' (SwiGLU)")
+    head_dim, heads = d.get("head_dim"), d.get("num_attention_heads")
+    if head_dim is not None and heads and head_dim * heads != d.get("hidden_size"):
+        raise ValueError(f"{source}: head_dim {head_dim} x num_attention_heads {heads} != "
+                         f"hidden_size {d.get('hidden_size')}; a decoupled head_dim is not supported")
     rope_params = d.get("rope_parameters")
     if isinstance(rope_params, dict) and rope_params.get("rope_type", "default") != "default":
-        raise ConfigError(f"{source}: rope_parameters {rope_params!r} are not supported; only plain RoPE is")
+        raise ValueError(f"{source}: rope_parameters {rope_params!r} are not supported; only plain RoPE is")

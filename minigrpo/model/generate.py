@@ -23,16 +23,6 @@ class Rollout:
     logprobs: list[list[float]]  # log-prob of each token under the distribution it was sampled from
 
 
-def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (ids, attention_mask), both (B, T), padded on the left."""
-    if not seqs or any(len(s) == 0 for s in seqs):
-        raise ValueError("every prompt must hold at least one token")
-    rows = [torch.tensor(s, dtype=torch.long) for s in seqs]
-    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id, padding_side="left")
-    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left")
-    return ids.to(device), mask.to(device)
-
-
 @torch.no_grad()
 def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: int, *,
              params: SamplingParams = GREEDY, stop_ids: tuple[int, ...] = (), pad_id: int = 0,
@@ -40,7 +30,9 @@ def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: 
     """A completion for each prompt: up to max_new_tokens tokens, ending with the first stop id if one is drawn.
     For G samples of a prompt, pass the prompt G times with G different seeds."""
     device = next(model.parameters()).device
-    ids, mask = left_pad(prompts, pad_id, device)                                     # (B, T) prompts
+    rows = [torch.tensor(p, dtype=torch.long) for p in prompts]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id, padding_side="left").to(device)  # (B, T)
+    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left").to(device)
     if len({len(p) for p in prompts}) == 1:
         mask = None  # nothing is padded: the fused causal attention kernels apply (what transformers runs)
     B, T = ids.shape

@@ -111,21 +111,16 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen2Model(nn.Module):
-    """Embedding, decoder stack, final norm: HF's `model.*` submodule."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class Qwen2ForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = Qwen2Model(cfg)
+        # HF's `model.*` submodule: embedding, decoder stack, final norm
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        ))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -135,31 +130,24 @@ class Qwen2ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      positions: torch.Tensor | None = None, checkpoint_layers: bool = False) -> torch.Tensor:
+                      checkpoint_layers: bool = False) -> torch.Tensor:
         """Final-norm hidden states, (B, T) -> (B, T, C). The trainer applies the LM head in chunks itself.
 
-        attention_mask (B, T): 1 for real tokens, 0 for left padding. Positions default to the count of real
-        tokens before each one, so a left-padded row computes exactly what it computes alone.
+        attention_mask (B, T): 1 for real tokens, 0 for left padding. A token's position is the count of real
+        tokens before it, so a left-padded row computes exactly what it computes alone.
         checkpoint_layers: with gradients on, recompute each layer in backward (one tensor kept per layer,
         not ~20, for one more forward pass; the same gradients)."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
         mask = None
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)                 # (B, T)
         if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
-                                 f"{tuple(input_ids.shape)}")
             real = attention_mask.bool()                                                  # (B, T)
-            if positions is None:
-                positions = (real.long().cumsum(-1) - 1).clamp(min=0)                     # (B, T)
+            positions = (real.long().cumsum(-1) - 1).clamp(min=0)                         # (B, T)
             causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()   # (T, T)
             # A query sees earlier real keys; it always sees itself, so padding rows stay finite (their
             # outputs are never used) instead of softmaxing over nothing and producing NaN.
             mask = (causal & real[:, None, :]) | torch.eye(T, dtype=torch.bool, device=input_ids.device)
             mask = mask[:, None]                                                          # (B, 1, T, T)
-        if positions is None:
-            positions = torch.arange(T, device=input_ids.device).expand(B, T)             # (B, T)
         cfg = self.config
         x = self.model.embed_tokens(input_ids)                                            # (B, T, C)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)         # (B, T, D)
@@ -170,9 +158,9 @@ class Qwen2ForCausalLM(nn.Module):
             x = layer(x, cos, sin, mask, recompute)
         return self.model.norm(x)                                                         # (B, T, C)
 
-    def forward(self, input_ids, attention_mask=None, positions=None) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask=None) -> torch.Tensor:
         """(B, T) token ids -> (B, T, V) logits."""
-        return self.lm_head(self.hidden_states(input_ids, attention_mask, positions))
+        return self.lm_head(self.hidden_states(input_ids, attention_mask))
 
 
 @torch.no_grad()

@@ -31,14 +31,6 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k filter
 
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

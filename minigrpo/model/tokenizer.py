@@ -96,28 +96,21 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids. Adds no BOS/EOS (Qwen uses none). Special-token strings in `text` become special ids."""
-        if not isinstance(text, str):
-            raise ValueError(f"encode expects a str, got {type(text).__name__}")
         return self._bpe.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int] | Any, skip_special_tokens: bool = True) -> str:
         """ids (list or 1-D tensor) -> text. Special tokens (<|im_end|>, ...) are dropped unless asked for."""
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        if any(isinstance(i, (list, tuple)) for i in ids):
-            raise ValueError("decode expects a 1-D sequence of token ids, got a nested one; decode each row on its own")
         return self._bpe.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render a conversation exactly as Qwen2.5's Jinja chat template does (tools excluded)."""
         _validate_messages(messages)
-        # The template always opens with a system turn; a leading system message replaces the default one.
-        if messages[0]["role"] == "system":
-            system, rest = messages[0]["content"], messages[1:]
-        else:
-            system, rest = DEFAULT_SYSTEM_PROMPT, messages
+        # The template always opens with a system turn: the default one unless the chat starts with its own.
         # A later system message is not special-cased by the template: it is rendered like any other turn.
-        turns = [("system", system)] + [(m["role"], m["content"]) for m in rest]
-        text = "".join(f"{IM_START}{role}\n{content}{IM_END}\n" for role, content in turns)
+        if messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, *messages]
+        text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
         if add_generation_prompt:
             text += f"{IM_START}assistant\n"
         return text
@@ -125,12 +118,6 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """`render_chat` then `encode`: the prompt ids the model sees."""
         return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt))
-
-    def __repr__(self) -> str:
-        return (
-            f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
-            f"pad_id={self.pad_id}, stop_ids={self.stop_ids})"
-        )
 
 
 def _check_added_tokens_agree(bpe: _BPE, config: Mapping[str, Any], path: Path) -> None:
@@ -144,21 +131,12 @@ def _check_added_tokens_agree(bpe: _BPE, config: Mapping[str, Any], path: Path) 
 
 
 def _validate_messages(messages: Any) -> None:
-    """Reject what the plain-Python template does not cover, with a message saying what is wrong."""
-    if isinstance(messages, (Mapping, str)) or not isinstance(messages, Sequence):
-        raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
-                         f"got {type(messages).__name__}")
-    if len(messages) == 0:
-        raise ValueError("messages is empty: a chat needs at least one message")
+    """Reject what the plain-Python template does not cover: tools, other roles, content that is not text."""
+    if isinstance(messages, (Mapping, str)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
+                         f"got {messages!r}")
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
-        role = m.get("role")
-        if role == "tool" or m.get("tool_calls"):
-            raise ValueError(f"messages[{i}] uses tools (role 'tool' or 'tool_calls'), which render_chat does not "
-                             "support; only plain system/user/assistant turns are rendered")
-        if role not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}] has unknown role {role!r}; expected one of {CHAT_ROLES}")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}] content must be a str, got {type(m.get('content')).__name__} "
-                             "(multimodal/list content and missing content are not supported)")
+        if (not isinstance(m, Mapping) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str)
+                or m.get("tool_calls")):
+            raise ValueError(f"messages[{i}] is {m!r}; render_chat renders only {CHAT_ROLES} turns with str "
+                             "content (no tools, no multimodal content)")

@@ -44,7 +44,6 @@ SOURCES = {
         "test": ("HuggingFaceH4/MATH-500", "test.jsonl")}),
     "jsonl": Source("question", "answer", "", "numeric"),
 }
-SPLITS = ("train", "test")
 
 
 def final_answer(answer: str, final: str) -> str:
@@ -121,10 +120,8 @@ def load_jsonl(path: str | Path, fields: tuple[str, str] = ("question", "answer"
 
 def load_examples(task: str, split: str, path: str | Path | None = None, *, question_field: str | None = None,
                   answer_field: str | None = None, numeric: bool = True) -> list[Example]:
-    """The examples of `task` (a SOURCES key) for `split`: from the local jsonl `path`, else from the Hub.
-    numeric: every final answer must be a number (the numeric reward could match nothing else)."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    """The examples of `task` (a SOURCES key) for `split` ("train" or "test"): from the local jsonl `path`,
+    else from the Hub. numeric: every final answer must be a number (the numeric reward could match nothing else)."""
     src = SOURCES[task]
     fields = (question_field or src.question, answer_field or src.answer)
     hub = src.hub.get(split)

@@ -58,8 +58,6 @@ def last_boxed(text: str) -> str | None:
 
 def extract_answer(text: str) -> str | None:
     """The model's final answer as a string (not yet normalised), or None if the text holds none."""
-    if not isinstance(text, str):
-        raise TypeError(f"extract_answer expects str, got {type(text).__name__}")
     text = text[-MAX_TEXT_CHARS:]
     boxed = last_boxed(text)
     if boxed is not None:
@@ -72,11 +70,9 @@ def extract_answer(text: str) -> str | None:
 
 
 def _parse_plain(num: str) -> float | None:
-    """float() of one `_NUMBER` match: commas dropped, a/b divided; None if not finite."""
-    try:
-        values = [float(p.strip().replace(",", "")) for p in num.split("/")]
-    except ValueError:  # e.g. a lone "." cannot come from _NUMBER, but stay total
-        return None
+    """float() of one `_NUMBER` match (each part holds a digit, so float() parses it): commas dropped,
+    a/b divided; None if not finite."""
+    values = [float(p.strip().replace(",", "")) for p in num.split("/")]
     if len(values) == 2 and values[1] == 0:
         return None
     value = values[0] / values[1] if len(values) == 2 else values[0]

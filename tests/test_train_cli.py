@@ -75,6 +75,20 @@ def test_bad_input_gives_a_message_not_a_traceback(args, message):
     assert message in proc.stderr.splitlines()[-1]
 
 
+def test_tensorboard_without_the_package_says_how_to_install_it(capsys):
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+        pytest.skip("tensorboard is installed")
+    except ImportError:
+        pass
+    sys.path.insert(0, str(REPO))
+    import train
+
+    with pytest.raises(SystemExit) as stop:
+        train.parse_args(["--preset", "smoke", "--tensorboard"])
+    assert stop.value.code == 2 and "pip install tensorboard" in capsys.readouterr().err
+
+
 def test_offline_without_a_model_explains_what_to_do(tmp_path):
     # No --model-dir: the default directory (relative to the working directory) is missing and must be downloaded.
     proc = run([str(REPO / "train.py"), "--device", "cpu"], cwd=tmp_path, HF_HUB_OFFLINE="1",

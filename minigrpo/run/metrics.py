@@ -96,13 +96,8 @@ class MetricsLogger:
         if echo:
             tqdm.write(LEGEND)
         self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise RuntimeError("--tensorboard needs the tensorboard package: `pip install tensorboard` "
-                                   "(or `pip install minigrpo[tensorboard]`), or drop the flag; "
-                                   "metrics.jsonl is written either way") from None
+        if tensorboard:  # needs the tensorboard package: train.py checks for it before anything runs
+            from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(self.out_dir / "tensorboard"),
                                      purge_step=None if resume_step is None else resume_step + 1)
 

@@ -50,18 +50,13 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *, wei
     replace_dir(tmp, final)  # re-saving a step after a resume rewound the run: the new one replaces it
     set_latest(ckpt_root, final.name)
     if keep > 0:
-        older = sorted((s, p) for s, p in _steps(ckpt_root) if s <= step)
-        for _, old in older[:-keep]:
-            doomed = ckpt_root / f".{old.name}.pruned-{os.getpid()}"
-            os.replace(old, doomed)  # out of sight at once; a crash mid-delete leaves only a temp folder
+        folders = {int(p.name.removeprefix("step_")): p for p in ckpt_root.glob("step_*")
+                   if p.is_dir() and p.name.removeprefix("step_").isdigit()}
+        for old in sorted(s for s in folders if s <= step)[:-keep]:
+            doomed = ckpt_root / f".{folders[old].name}.pruned-{os.getpid()}"
+            os.replace(folders[old], doomed)  # out of sight at once; a crash mid-delete leaves only a temp folder
             shutil.rmtree(doomed)
     return final
-
-
-def _steps(ckpt_root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every checkpoint folder under ckpt_root."""
-    return [(int(p.name.removeprefix("step_")), p) for p in ckpt_root.glob("step_*")
-            if p.is_dir() and p.name.removeprefix("step_").isdigit()]
 
 
 def latest_name(ckpt_root: str | Path) -> str | None:

@@ -72,16 +72,14 @@ def set_latest(ckpt_root: str | Path, name: str) -> None:
     os.replace(tmp, Path(ckpt_root) / LATEST)
 
 
-def remove_stale_temps(ckpt_root: str | Path) -> list[str]:
+def remove_stale_temps(ckpt_root: str | Path) -> None:
     """Delete the temporary folders and files an interrupted save or prune left under ckpt_root (names starting
-    with a dot) and return their names. Call only while no process is writing checkpoints there."""
-    stale = sorted(Path(ckpt_root).glob(".step_*")) + sorted(Path(ckpt_root).glob(f".{LATEST}.tmp-*"))
-    for path in stale:
+    with a dot). Call only while no process is writing checkpoints there."""
+    for path in [*Path(ckpt_root).glob(".step_*"), *Path(ckpt_root).glob(f".{LATEST}.tmp-*")]:
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
-    return [p.name for p in stale]
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

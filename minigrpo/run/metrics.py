@@ -73,10 +73,9 @@ def _truncate_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def _append(path: Path, step: int, rows: list[dict]) -> None:
+def _append(path: Path, rows: list[dict]) -> None:
     with path.open("a") as f:
-        for r in rows:
-            f.write(json.dumps({"step": step, **r}) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 class MetricsLogger:
@@ -103,8 +102,7 @@ class MetricsLogger:
 
     def log(self, record: dict) -> None:
         """Write one step's record (a flat dict of numbers with a 'step' key) everywhere."""
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        _append(self.metrics_path, [record])
         if self.echo:
             tqdm.write(format_line(record))  # plays well with an active progress bar
         if self._tb is not None:
@@ -114,10 +112,10 @@ class MetricsLogger:
             self._tb.flush()
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
-        _append(self.samples_path, step, samples)
+        _append(self.samples_path, [{"step": step, **r} for r in samples])
 
     def log_eval(self, step: int, rows: list[dict]) -> None:
-        _append(self.eval_path, step, rows)
+        _append(self.eval_path, [{"step": step, **r} for r in rows])
 
     def close(self) -> None:
         if self._tb is not None:

@@ -68,7 +68,6 @@ class TrainConfig:
         return self.minibatch_size or self.rows_per_step
 
     def __post_init__(self):
-        object.__setattr__(self, "betas", tuple(self.betas))  # a list from argparse or JSON
         for f in fields(self):  # argparse's float() takes "inf" and "nan"
             value = getattr(self, f.name)
             values = value if isinstance(value, tuple) else (value,)

@@ -83,9 +83,8 @@ class MetricsLogger:
                  echo: bool = True):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path, self.samples_path = self.out_dir / "metrics.jsonl", self.out_dir / "samples.jsonl"
-        self.eval_path = self.out_dir / "eval.jsonl"
-        for p in (self.metrics_path, self.samples_path, self.eval_path):
+        self.paths = {name: self.out_dir / f"{name}.jsonl" for name in ("metrics", "samples", "eval")}
+        for p in self.paths.values():
             if resume_step is not None:
                 _truncate_after(p, resume_step)
             elif p.exists():  # a fresh run never writes over (or after) another run's records
@@ -102,7 +101,7 @@ class MetricsLogger:
 
     def log(self, record: dict) -> None:
         """Write one step's record (a flat dict of numbers with a 'step' key) everywhere."""
-        _append(self.metrics_path, [record])
+        _append(self.paths["metrics"], [record])
         if self.echo:
             tqdm.write(format_line(record))  # plays well with an active progress bar
         if self._tb is not None:
@@ -112,10 +111,10 @@ class MetricsLogger:
             self._tb.flush()
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
-        _append(self.samples_path, [{"step": step, **r} for r in samples])
+        _append(self.paths["samples"], [{"step": step, **r} for r in samples])
 
     def log_eval(self, step: int, rows: list[dict]) -> None:
-        _append(self.eval_path, [{"step": step, **r} for r in rows])
+        _append(self.paths["eval"], [{"step": step, **r} for r in rows])
 
     def close(self) -> None:
         if self._tb is not None:

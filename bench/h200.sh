@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|speed|speedbig|templates
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|compile100|speed|speedbig|templates
 # (and `revs`, run here before a device call, not there)
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
@@ -27,8 +27,9 @@ case "${1:-}" in
     SEL=("${@:2}"); [ ${#SEL[@]} -gt 0 ] || SEL=(tests/test_gpu.py)  # pytest node ids / flags, in order
     MINIGRPO_GPU_WEIGHTS=/tmp/fit05b python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 "${SEL[@]}" \
       2>&1 | tee "$OUT/gpu_fitted.log" | grep -E "^\[|passed|failed|FAILED|Error" ;;
-  attention)   # decode-attention microbenchmark (Triton vs gather+SDPA vs dense SDPA)
-    python3 bench/attention.py --no-eager --out "$OUT/bench_attention.json" ;;
+  attention)   # decode-attention microbenchmark (Triton vs gather+SDPA vs dense SDPA); issue 20's long contexts:
+               # `attention --points 64x8192,256x4096,256x2048`
+    python3 bench/attention.py --no-eager --out "$OUT/bench_attention.json" "${@:2}" ;;
   decode64)    # engine vs HF generate, 8 GSM8K prompts x 8 samples x 256 tokens
     python3 bench/decode.py --workloads 8x8 "${@:2}" ;;
   decode256)   # 32 prompts x 8 samples x 256 tokens
@@ -170,6 +171,28 @@ case "${1:-}" in
       --profile static32 --variant static32=.rev/static:--micro-batch-size=32 \
       --variant after32=.:--micro-batch-size=32 \
       --variant after32c1024=.:--micro-batch-size=32,--logprob-chunk-size=1024 "${@:2}" ;;
+  mb)          # issue 20's micro-batch shapes, LEAN, TRL on the same workload in the same call. `mb 05b` (~7 min):
+               # 16, 32 and 64 rows per micro-batch, the 64 one profiled. `mb 7b` (~5 min): 16 and 32 rows; TRL at
+               # 7B (~5 min, its random model is drawn on the CPU) goes in a call of its own: `mb 7b trl`
+    M=${2:-05b}; V=(--variant mb16=. --variant mb32=.:--micro-batch-size=32)
+    [ "$M" = 05b ] && V+=(--variant mb64=.:--micro-batch-size=64 --profile mb64)
+    if [ "${3:-}" != trl ]; then
+      rand ${M/5b/.5b}
+      OUT=$OUT/mb$M python3 bench/speed.py --model-dir /tmp/rand$M --data "$DATA" --steps ${STEPS:-6} "${V[@]}" \
+        | sed -n '/^summary/,$p'
+    fi
+    [ "$M" = 05b ] || [ "${3:-}" = trl ] || exit 0
+    [ "$M" = 05b ] && C=$DATA/qwen2.5-0.5b-instruct || C=$DATA/configs/qwen2.5-7b-instruct
+    CONFIG=$(realpath "$C") STEPS=4 bash bench/h200.sh trl ;;
+  compile100)  # issue 20's compile bound: a 100-step run at 0.5B (LEAN, 32-row micro-batches; ~3 min): seconds
+               # compiling in all, and in which steps (random weights write all 256 tokens: the engine's smaller
+               # batch buckets, which trained weights reach as sequences stop, are not exercised)
+    rand 0.5b
+    OUT=$OUT/compile100 python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --attn triton \
+      --steps ${STEPS:-100} -- $LEAN --micro-batch-size 32 > /dev/null 2>&1
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['triton']['every_step']; c=[s['compile_s'] for s in r]; \
+print('steps', len(c), 'compile_s total', round(sum(c), 1), 'steps compiling', [(i + 1, x) for i, x in enumerate(c) if x > 0.5], \
+'median step', sorted(s['time_step'] for s in r)[len(r) // 2])" "$OUT/compile100/train_step.json" ;;
   speedbig)    # the same at the 1.5B and 7B shapes (MODELS="15b 7b"; ~4 min each), before and after (32-row
                # micro-batches); TRL: the trl part
     for m in ${MODELS:-15b 7b}; do
@@ -182,6 +205,6 @@ case "${1:-}" in
                # evaluation (r1, 4 samples x 32 test examples). One process, one compile (~3 min in all)
     rand 0.5b
     python3 bench/templates.py --model-dir /tmp/rand05b --data "$DATA" "${@:2}" ;;
-  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|speed|speedbig|templates|revs [args]"
+  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|compile100|speed|speedbig|templates|revs [args]"
      exit 2 ;;
 esac

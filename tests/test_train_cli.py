@@ -64,6 +64,7 @@ def test_help_documents_every_flag_and_each_default_once():
     (["--lr", "inf"], "--lr must be a finite number, got inf"),
     (["--beta", "nan"], "--beta must be a finite number, got nan"),
     (["--lr=-1e-3"], "--lr must be in (0, 1), got -0.001"),
+    (["--weights", "fp16"], "argument --weights: invalid choice: 'fp16'"),
     (["--preset", "smoke", "--out", "README.md"], "--out README.md is a file, not a folder; choose another --out"),
     (["--preset", "smoke", "--attn", "triton", "--out", "/nonexistent/out"],
      "--attn triton runs Triton kernels, which need a CUDA GPU; on the CPU use --attn sdpa (or set TRITON_INTERPRET=1 "
@@ -73,6 +74,20 @@ def test_bad_input_gives_a_message_not_a_traceback(args, message):
     proc = run(["train.py", *args], TRITON_INTERPRET="0")  # the tests' Triton interpreter is off, as for a user
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert message in proc.stderr.splitlines()[-1]
+
+
+def test_tensorboard_without_the_package_says_how_to_install_it(capsys):
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+        pytest.skip("tensorboard is installed")
+    except ImportError:
+        pass
+    sys.path.insert(0, str(REPO))
+    import train
+
+    with pytest.raises(SystemExit) as stop:
+        train.parse_args(["--preset", "smoke", "--tensorboard"])
+    assert stop.value.code == 2 and "pip install tensorboard" in capsys.readouterr().err
 
 
 def test_offline_without_a_model_explains_what_to_do(tmp_path):

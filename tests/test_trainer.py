@@ -554,13 +554,8 @@ def test_phase_timer_counts_the_seconds_spent_compiling():
     assert first > 0 and timer.compiling == first
 
 
-def test_tensorboard_logs_or_says_how_to_install_it(tmp_path):
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError:
-        with pytest.raises(RuntimeError, match="pip install tensorboard"):
-            MetricsLogger(tmp_path, tensorboard=True, echo=False)
-        return
+def test_tensorboard_logs(tmp_path):
+    pytest.importorskip("torch.utils.tensorboard")  # without it train.py says how to install it (test_train_cli.py)
     log = MetricsLogger(tmp_path, tensorboard=True, echo=False)
     log.log({"step": 1, "reward_mean": 0.5})
     log.close()
@@ -589,8 +584,6 @@ def test_policy_dtype_must_match_the_weights_setting(tmp_path):
     model = tiny_policy(tokenizer.vocab_size, seed=0)  # fp32
     with pytest.raises(ValueError, match=r"weights='bf16' needs the policy in torch.bfloat16, found \['torch.float32'\]"):
         Trainer(cfg, model, tokenizer, FirstDigitTask(tokenizer, 10, seed=0), ReferenceBackend(model, 0), tmp_path)
-    with pytest.raises(ValueError, match="weights must be one of"):
-        TrainConfig(weights="fp16")
 
 
 def _record_gradients(trainer) -> list[dict[str, torch.Tensor]]:

@@ -65,17 +65,15 @@ class StochasticAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, chunk: int | None = None, compile: bool | None = None):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        devices = set()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.bfloat16:
                     raise ValueError(f"StochasticAdamW is for bf16 parameters, got {p.dtype} "
                                      f"(use torch.optim.AdamW for fp32 master weights)")
-                devices.add(p.device.type)
                 self.state[p] = {"step": torch.zeros((), dtype=torch.float32),  # on the CPU, as torch's AdamW
                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}  # bf16, like p
         if compile is None:
-            compile = devices == {"cuda"}
+            compile = all(p.device.type == "cuda" for group in self.param_groups for p in group["params"])
         # Compiled, fewer calls are faster (bench/optim.py); eager, 4M elements bound the fp32 temporaries.
         self.chunk = chunk or (1 << 26 if compile else 1 << 22)
         self._update = torch.compile(_adamw_chunk, dynamic=True) if compile else _adamw_chunk

@@ -50,18 +50,13 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *, wei
     replace_dir(tmp, final)  # re-saving a step after a resume rewound the run: the new one replaces it
     set_latest(ckpt_root, final.name)
     if keep > 0:
-        older = sorted((s, p) for s, p in _steps(ckpt_root) if s <= step)
-        for _, old in older[:-keep]:
-            doomed = ckpt_root / f".{old.name}.pruned-{os.getpid()}"
-            os.replace(old, doomed)  # out of sight at once; a crash mid-delete leaves only a temp folder
+        folders = {int(p.name.removeprefix("step_")): p for p in ckpt_root.glob("step_*")
+                   if p.is_dir() and p.name.removeprefix("step_").isdigit()}
+        for old in sorted(s for s in folders if s <= step)[:-keep]:
+            doomed = ckpt_root / f".{folders[old].name}.pruned-{os.getpid()}"
+            os.replace(folders[old], doomed)  # out of sight at once; a crash mid-delete leaves only a temp folder
             shutil.rmtree(doomed)
     return final
-
-
-def _steps(ckpt_root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every checkpoint folder under ckpt_root."""
-    return [(int(p.name.removeprefix("step_")), p) for p in ckpt_root.glob("step_*")
-            if p.is_dir() and p.name.removeprefix("step_").isdigit()]
 
 
 def latest_name(ckpt_root: str | Path) -> str | None:
@@ -77,16 +72,14 @@ def set_latest(ckpt_root: str | Path, name: str) -> None:
     os.replace(tmp, Path(ckpt_root) / LATEST)
 
 
-def remove_stale_temps(ckpt_root: str | Path) -> list[str]:
+def remove_stale_temps(ckpt_root: str | Path) -> None:
     """Delete the temporary folders and files an interrupted save or prune left under ckpt_root (names starting
-    with a dot) and return their names. Call only while no process is writing checkpoints there."""
-    stale = sorted(Path(ckpt_root).glob(".step_*")) + sorted(Path(ckpt_root).glob(f".{LATEST}.tmp-*"))
-    for path in stale:
+    with a dot). Call only while no process is writing checkpoints there."""
+    for path in [*Path(ckpt_root).glob(".step_*"), *Path(ckpt_root).glob(f".{LATEST}.tmp-*")]:
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
-    return [p.name for p in stale]
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

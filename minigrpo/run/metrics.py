@@ -73,10 +73,9 @@ def _truncate_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def _append(path: Path, step: int, rows: list[dict]) -> None:
+def _append(path: Path, rows: list[dict]) -> None:
     with path.open("a") as f:
-        for r in rows:
-            f.write(json.dumps({"step": step, **r}) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 class MetricsLogger:
@@ -84,9 +83,8 @@ class MetricsLogger:
                  echo: bool = True):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path, self.samples_path = self.out_dir / "metrics.jsonl", self.out_dir / "samples.jsonl"
-        self.eval_path = self.out_dir / "eval.jsonl"
-        for p in (self.metrics_path, self.samples_path, self.eval_path):
+        self.paths = {name: self.out_dir / f"{name}.jsonl" for name in ("metrics", "samples", "eval")}
+        for p in self.paths.values():
             if resume_step is not None:
                 _truncate_after(p, resume_step)
             elif p.exists():  # a fresh run never writes over (or after) another run's records
@@ -96,20 +94,14 @@ class MetricsLogger:
         if echo:
             tqdm.write(LEGEND)
         self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise RuntimeError("--tensorboard needs the tensorboard package: `pip install tensorboard` "
-                                   "(or `pip install minigrpo[tensorboard]`), or drop the flag; "
-                                   "metrics.jsonl is written either way") from None
+        if tensorboard:  # needs the tensorboard package: train.py checks for it before anything runs
+            from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(self.out_dir / "tensorboard"),
                                      purge_step=None if resume_step is None else resume_step + 1)
 
     def log(self, record: dict) -> None:
         """Write one step's record (a flat dict of numbers with a 'step' key) everywhere."""
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        _append(self.paths["metrics"], [record])
         if self.echo:
             tqdm.write(format_line(record))  # plays well with an active progress bar
         if self._tb is not None:
@@ -119,10 +111,10 @@ class MetricsLogger:
             self._tb.flush()
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
-        _append(self.samples_path, step, samples)
+        _append(self.paths["samples"], [{"step": step, **r} for r in samples])
 
     def log_eval(self, step: int, rows: list[dict]) -> None:
-        _append(self.eval_path, step, rows)
+        _append(self.paths["eval"], [{"step": step, **r} for r in rows])
 
     def close(self) -> None:
         if self._tb is not None:

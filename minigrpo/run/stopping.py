@@ -16,8 +16,6 @@ from pathlib import Path
 
 import torch
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
 
 class Interrupted(Exception):
     """The run stopped on a signal after saving `checkpoint` at `step`."""
@@ -32,7 +30,6 @@ class NonFiniteError(RuntimeError):
 
     def __init__(self, step: int, what: str):
         super().__init__(f"step {step}: {what}")
-        self.step, self.what = step, what
 
 
 def nonfinite(model: torch.nn.Module, record: dict | None = None) -> str | None:
@@ -56,7 +53,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def __exit__(self, *exc) -> None:

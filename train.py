@@ -40,7 +40,7 @@ import torch
 
 from minigrpo.engine.rollout import ATTN_BACKENDS, make_backend
 from minigrpo.rl import distributed
-from minigrpo.rl.config import WEIGHT_DTYPES, TrainConfig
+from minigrpo.rl.config import PARALLEL, WEIGHT_DTYPES, TrainConfig
 from minigrpo.rl.loop import run
 from minigrpo.rl.memory import estimate
 from minigrpo.rl.trainer import Trainer
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device")
     g.add_argument("--seed", type=int, default=D.seed, help="seeds data order, rollout sampling, shuffling")
-    g.add_argument("--parallel", choices=["ddp", "fsdp"], default=D.parallel,
+    g.add_argument("--parallel", choices=PARALLEL, default=D.parallel,
                    help="under torchrun, the update: ddp replicates the weights, gradients and AdamW state on "
                         "every rank; fsdp shards them (FSDP2), for models whose state does not fit one GPU")
     g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard (needs tensorboard)")

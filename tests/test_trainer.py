@@ -584,6 +584,8 @@ def test_policy_dtype_must_match_the_weights_setting(tmp_path):
     model = tiny_policy(tokenizer.vocab_size, seed=0)  # fp32
     with pytest.raises(ValueError, match=r"weights='bf16' needs the policy in torch.bfloat16, found \['torch.float32'\]"):
         Trainer(cfg, model, tokenizer, FirstDigitTask(tokenizer, 10, seed=0), ReferenceBackend(model, 0), tmp_path)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        TrainConfig(weights="fp16")
 
 
 def _record_gradients(trainer) -> list[dict[str, torch.Tensor]]:

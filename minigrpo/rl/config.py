@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 import torch
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # TrainConfig.weights -> the policy's dtype
+PARALLEL = ("ddp", "fsdp")  # TrainConfig.parallel: under torchrun, weights replicated or sharded over ranks
+CHOICES = {"weights": tuple(WEIGHT_DTYPES), "parallel": PARALLEL, "lr_schedule": ("constant", "cosine")}
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,9 @@ class TrainConfig:
                      "keep_checkpoints", "sample_every", "num_samples", "kl_beta", "weight_decay", "max_grad_norm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         rows = self.rows_per_step
         if self.minibatch_size and rows % self.minibatch_size:
             raise ValueError(f"minibatch_size {self.minibatch_size} must divide the B*G = {rows} rows of a step")

@@ -185,10 +185,15 @@ case "${1:-}" in
     [ "$M" = 05b ] && C=$DATA/qwen2.5-0.5b-instruct || C=$DATA/configs/qwen2.5-7b-instruct
     CONFIG=$(realpath "$C") STEPS=4 bash bench/h200.sh trl ;;
   compile100)  # issue 20's compile bound: a 100-step run at 0.5B (LEAN, 32-row micro-batches; ~3 min): seconds
-               # compiling in all, and in which steps (random weights write all 256 tokens: the engine's smaller
-               # batch buckets, which trained weights reach as sequences stop, are not exercised)
-    rand 0.5b
-    OUT=$OUT/compile100 python3 bench/train_step.py --model-dir /tmp/rand05b --data "$DATA" --attn triton \
+               # compiling in all, and in which steps. Random weights write all 256 tokens, so the engine's
+               # smaller batch buckets, which trained weights reach as sequences stop, are not exercised:
+               # `compile100 fit` runs on the weights fitted to GSM8K (bench/fit_gsm8k.py, ~3 min more), whose
+               # completions stop at EOS
+    M=/tmp/rand05b; rand 0.5b
+    if [ "${2:-}" = fit ]; then
+      M=/tmp/fit05b; [ -d $M ] || python3 bench/fit_gsm8k.py --data "$DATA" --out $M 2>&1 | tail -2
+    fi
+    OUT=$OUT/compile100 python3 bench/train_step.py --model-dir $M --data "$DATA" --attn triton \
       --steps ${STEPS:-100} -- $LEAN --micro-batch-size 32 > /dev/null 2>&1
     python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['triton']['every_step']; c=[s['compile_s'] for s in r]; \
 print('steps', len(c), 'compile_s total', round(sum(c), 1), 'steps compiling', [(i + 1, x) for i, x in enumerate(c) if x > 0.5], \

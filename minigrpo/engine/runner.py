@@ -72,8 +72,9 @@ class StepRunner:
         self.model, self.kv, self.state, self.cfg = model, kv, state, cfg
         # emulate_precision_casts: each op's output rounds as in eager (Inductor would keep fused
         # intermediates in fp32), so a bf16 greedy rollout does not depend on the compile mode.
-        compiled = torch.compile(decode_step, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
-        self._step = compiled if cfg.compile == "step" else decode_step
+        self._step = (torch.compile(decode_step, fullgraph=True, dynamic=False,
+                                    options={"emulate_precision_casts": True})
+                      if cfg.compile == "step" else decode_step)
         self._prepared: dict = {}  # (bucket, params) -> the step, replaying a graph if captured
         self._prefills: dict = {}  # padded (rows, T) -> (graph, static inputs, box holding its logits)
         self._pool = None          # one memory pool shared by all captured graphs

@@ -139,8 +139,9 @@ class Qwen2ForCausalLM(nn.Module):
         not ~20, for one more forward pass; the same gradients)."""
         B, T = input_ids.shape
         mask = None
-        positions = torch.arange(T, device=input_ids.device).expand(B, T)                 # (B, T)
-        if attention_mask is not None:
+        if attention_mask is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)             # (B, T)
+        else:
             real = attention_mask.bool()                                                  # (B, T)
             positions = (real.long().cumsum(-1) - 1).clamp(min=0)                         # (B, T)
             causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()   # (T, T)

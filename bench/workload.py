@@ -9,6 +9,7 @@ is found at $MINIGRPO_DATA, else at ../shared/data beside the checkout.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,6 +17,8 @@ import torch
 from minigrpo.model.config import ModelConfig
 from minigrpo.model.qwen2 import Qwen2ForCausalLM, init_weights
 from minigrpo.model.tokenizer import Tokenizer
+from minigrpo.rl.config import TrainConfig
+from minigrpo.rl.memory import MemoryEstimate, estimate
 from minigrpo.tasks.qa import load_jsonl
 from minigrpo.tasks.templates import TEMPLATES
 
@@ -44,3 +47,44 @@ def gsm8k_prompts(n: int, split: str = "test") -> tuple[Tokenizer, list[list[int
     tok = Tokenizer.from_dir(qwen_dir())
     examples = load_jsonl(data_dir() / "gsm8k" / f"{split}.jsonl")[:n]
     return tok, [TEMPLATES["chat"].prompt(tok, e.question) for e in examples]
+
+
+class ParityTask:
+    """GSM8K prompts scored by the parity of the completion's token sum (bench/train_step.py's stand-in
+    reward): random weights never solve GSM8K, and about half of each group scores 1, so every row trains."""
+
+    def __init__(self, prompts, tokenizer):
+        self.prompts, self.stops = prompts, TEMPLATES["chat"].stops(tokenizer)
+
+    def __len__(self):
+        return len(self.prompts)
+
+    def prompt(self, i):
+        return self.prompts[i]
+
+    def score(self, i, completion):
+        return float(sum(completion) % 2 == 0), False
+
+    def describe(self, i):
+        return {}
+
+
+def small_training_run(flags: str, out_dir: Path):
+    """tests/test_memory.py's GPU run: random Qwen2.5-0.5B, 4 prompts x 4 samples x 64 tokens, K = 2, beta 0.04,
+    8-row micro-batches, eager engine and policy (no compile warm-up); flags "default" or "lean" (bf16 weights,
+    activation checkpointing, 256-token LM-head chunks). Returns the Trainer and the memory estimate of its run."""
+    from minigrpo.engine.rollout import make_backend  # the engine loads the Triton kernels
+    from minigrpo.rl.trainer import Trainer
+
+    tok, prompts = gsm8k_prompts(8)
+    cfg = TrainConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=64, inner_epochs=2, micro_batch_size=8,
+                      kl_beta=0.04, steps=2, eval_every=0, save_every=0, sample_every=0)
+    if flags == "lean":
+        cfg = replace(cfg, weights="bf16", activation_checkpointing=True, logprob_chunk_size=256)
+    model = random_qwen(device="cuda", dtype=torch.float32 if cfg.weights == "fp32" else torch.bfloat16).train()
+    longest = max(len(p) for p in prompts)
+    backend = make_backend("sdpa", model, pad_id=tok.pad_id, compile="none", cuda_graphs=False,
+                           max_seq_len=longest + 64, max_batch=16)
+    trainer = Trainer(cfg, model, tok, ParityTask(prompts, tok), backend, out_dir, echo=False)
+    e: MemoryEstimate = estimate(model.config, cfg, prompt_tokens=longest, engine=backend.cfg)
+    return trainer, e

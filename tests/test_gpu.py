@@ -18,13 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from bench.workload import gsm8k_prompts, qwen_dir, random_qwen
-from minigrpo.engine.config import EngineConfig  # noqa: E402
-from minigrpo.engine.engine import Engine  # noqa: E402
-from minigrpo.model.checkpoint import load_model, save_model  # noqa: E402
-from minigrpo.model.generate import Rollout, generate  # noqa: E402
-from minigrpo.model.sampling import GREEDY  # noqa: E402
+from minigrpo.engine.config import EngineConfig
+from minigrpo.engine.engine import Engine
+from minigrpo.model.checkpoint import load_model, save_model
+from minigrpo.model.generate import Rollout, generate
+from minigrpo.model.qwen2 import NOT_CUDNN
+from minigrpo.model.sampling import GREEDY
 
 pytestmark = pytest.mark.gpu
 NEW = 64
@@ -79,12 +81,14 @@ def test_bf16_logits_match_transformers(setup, models):
     worst = 0.0
     for p in prompts:
         ids = torch.tensor([p], device="cuda")
-        a, b = ours(ids).float(), hf(ids).logits.float()
+        with sdpa_kernel(NOT_CUDNN):  # our policy's SDPA backends (qwen2.py): the same kernels on both sides
+            a, b = ours(ids).float(), hf(ids).logits.float()
         worst = max(worst, ((a - b).norm() / b.norm()).item())
     record("bf16_logits_vs_transformers", max_rel_err=worst, prompts=len(prompts))
     assert worst <= 1e-2
 
 
+@sdpa_kernel(NOT_CUDNN)  # the SDPA backends our policy allows (qwen2.py), so both sides run the same kernels
 def hf_greedy(hf, prompt, stop_ids, pad_id, cache=True):
     if cache:
         # Plain greedy: the checkpoint's generation_config.json (Qwen's) would add repetition_penalty 1.1.

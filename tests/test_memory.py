@@ -24,10 +24,9 @@ from minigrpo.rl.memory import EAGER_FACTOR, estimate, parameter_count
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs
 from minigrpo.rl.trainer import Trainer
 from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
-from minigrpo.tasks.templates import TEMPLATES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train  # noqa: E402
+import train
 
 SIZES = {"0.5b": QWEN_DIR, **{s: SHARED_DATA / "configs" / f"qwen2.5-{s}-instruct" for s in ("1.5b", "3b", "7b")}}
 H200 = int(139.5 * 2**30)  # an H200's free memory before a run (of its 140.4 GiB, less the CUDA context)
@@ -73,7 +72,8 @@ def test_every_term_by_hand():
     # a layer keeps per token 2 x 4 x 32 (fp32 residuals) + 2 x (4 x 32 + 2 x 16 + 3 x 64) + 4 x 4 = 976 bytes
     assert e.update == {"gradients": 26912 * 4, "ddp_buckets": 0,
                         "activations": 3 * 4 * 50 * 976,     # L + 1 layers x 4 rows x 50 columns
-                        "lm_head": 32 * 256 * 8 + 4 * 20 * 32 * (2 + 4)}  # a 32-token chunk; 80 hidden states
+                        "lm_head": 32 * 256 * 8 + 4 * 20 * 32 * (2 + 4) + 256 * 32 * 4,  # a 32-token chunk;
+                        "optimizer_step": 0}                 # 80 hidden states; the head's weight gradient
     assert e.scoring == 8 * 50 * (2 * 4 * 32 + 2 * (2 * 32 + 2 * 16 + 3 * 64)) + 32 * 256 * 8
     assert e.total == sum(e.resident.values()) + sum(e.update.values())
     # bf16 weights, checkpointing, 2 ranks: 8 rows each, 2 micro-batches (one bf16 sum: no fp32 one); DDP's buckets
@@ -84,7 +84,11 @@ def test_every_term_by_hand():
     # a layer: 2 x 2 x 32 + 2 x (4 x 32 + 2 x 16 + 3 x 64) + 16 = 848 bytes per token; inputs kept: 2 x 32
     assert e.update == {"gradients": 26912 * 2, "ddp_buckets": 26912 * 2,
                         "activations": 2 * 4 * 50 * 2 * 32 + 2 * 4 * 50 * 848,
-                        "lm_head": 32 * 256 * 8 + 4 * 20 * 32 * (2 + 4)}
+                        "lm_head": 32 * 256 * 8 + 4 * 20 * 32 * (2 + 4) + 256 * 32 * 2,
+                        "optimizer_step": 0}  # the optimizer's concatenated 4 x 13456 bf16 elements: less
+    # 2 new tokens, 1 rank: the optimizer's piece (w, g, m, v of all 26912 parameters) outgrows the backward
+    e = estimate(m, replace(lean, max_new_tokens=2), prompt_tokens=4)
+    assert e.update["optimizer_step"] == 4 * 2 * 26912 - e.update["activations"] - e.update["lm_head"] > 0
 
 
 def test_fsdp_shards_the_per_parameter_terms():
@@ -114,7 +118,7 @@ def test_full_logits_and_eager_layers():
     assert e.resident == {"weights": 26912 * 4, "optimizer": 26912 * 8, "reference": 0, "weight_casts": 0}
     layer = 2 * 4 * 32 + 4 * (4 * 32 + 2 * 16 + 3 * 64) + 16                                 # 1680 bytes
     assert e.update["activations"] == int(3 * 4 * 50 * layer * EAGER_FACTOR)                # 50 columns, no padding
-    assert e.update["lm_head"] == 4 * 20 * 256 * 12 + 4 * 20 * 32 * (4 + 4)                  # all 80 tokens' logits
+    assert e.update["lm_head"] == 4 * 20 * 256 * 12 + 4 * 20 * 32 * (4 + 4) + 256 * 32 * 4   # all 80 tokens' logits
 
 
 @pytest.fixture
@@ -227,26 +231,6 @@ def test_each_rank_sizes_its_engine_to_its_share():
         assert nbytes(engine.kv.k + engine.kv.v) == e.resident["kv_pool"]
 
 
-class ParityTask:
-    """GSM8K prompts scored by the parity of the completion's token sum (bench/train_step.py's stand-in
-    reward): random weights never solve GSM8K, and about half of each group scores 1, so every row trains."""
-
-    def __init__(self, prompts, tokenizer):
-        self.prompts, self.stops = prompts, TEMPLATES["chat"].stops(tokenizer)
-
-    def __len__(self):
-        return len(self.prompts)
-
-    def prompt(self, i):
-        return self.prompts[i]
-
-    def score(self, i, completion):
-        return float(sum(completion) % 2 == 0), False
-
-    def describe(self, i):
-        return {}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("flags", ["default", "lean"])
 def test_estimate_bounds_the_measured_peak_on_the_gpu(tmp_path, flags):
@@ -256,24 +240,13 @@ def test_estimate_bounds_the_measured_peak_on_the_gpu(tmp_path, flags):
     at the real shapes. Memory an earlier test in the process still holds is not this run's: it is subtracted."""
     if not QWEN_DIR.exists():
         pytest.skip(f"no data folder at {QWEN_DIR} (set MINIGRPO_DATA)")
-    from bench.workload import gsm8k_prompts, random_qwen
+    from bench.workload import small_training_run
 
     gc.collect()
     torch.cuda.empty_cache()
     held_before = torch.cuda.memory_allocated()
-
-    tok, prompts = gsm8k_prompts(8)
-    cfg = TrainConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=64, inner_epochs=2, micro_batch_size=8,
-                      kl_beta=0.04, steps=2, eval_every=0, save_every=0, sample_every=0)
-    if flags == "lean":
-        cfg = replace(cfg, weights="bf16", activation_checkpointing=True, logprob_chunk_size=256)
-    model = random_qwen(device="cuda", dtype=torch.float32 if cfg.weights == "fp32" else torch.bfloat16).train()
-    longest = max(len(p) for p in prompts)
-    backend = make_backend("sdpa", model, pad_id=tok.pad_id, compile="none", cuda_graphs=False,
-                           max_seq_len=longest + 64, max_batch=16)
-    trainer = Trainer(cfg, model, tok, ParityTask(prompts, tok), backend, tmp_path, echo=False)
-    peak = max(trainer.step()["peak_mem_gb"] for _ in range(cfg.steps)) * 2**30 - held_before
-    e = estimate(model.config, cfg, prompt_tokens=longest, engine=backend.cfg)
+    trainer, e = small_training_run(flags, tmp_path)
+    peak = max(trainer.step()["peak_mem_gb"] for _ in range(2)) * 2**30 - held_before
     print(f"\n[memory {flags}] measured {peak / 2**30:.2f} GiB, estimated {e.total / 2**30:.2f} GiB ({e}), "
           f"error {e.total / peak - 1:+.1%}; held by earlier tests {held_before / 2**30:.2f} GiB")
     assert peak <= e.total <= 1.3 * peak

@@ -20,7 +20,10 @@ update (one micro-batch's forward and backward, the optimizer step's gradients):
   ddp_buckets       with W > 1, DDP's flat gradient buckets: another P x gradient size
   activations       what the decoder layers keep for the backward (_layer_bytes); with activation
                     checkpointing, each layer's input plus one layer recomputed
-  lm_head           the log-probs' logits block and temporaries, the hidden states and their gradient
+  lm_head           the log-probs' logits block and temporaries, the hidden states and their gradient, and
+                    the head's weight gradient, whole before it is added to the weight's .grad
+  optimizer_step    bf16 weights: StochasticAdamW's piece of concatenated small parameters (w, g, m, v; optim.py),
+                    where it outgrows the backward's activations and lm_head, freed by then
 scoring (the no-grad log-prob passes): one layer's working set for a scoring batch, plus its LM-head chunk
 
 Under FSDP (W > 1) weights, optimizer and reference divide by W, the gradients are this rank's shard (plus,
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from minigrpo.model.config import ModelConfig
 from minigrpo.rl.config import TrainConfig
+from minigrpo.rl.optim import CHUNK
 
 if TYPE_CHECKING:  # not imported to run: the engine package loads the Triton kernels
     from minigrpo.engine.config import EngineConfig
@@ -143,7 +147,9 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
     kept = L * mb * T * r * C + 2 * layer if cfg.activation_checkpointing else (L + 1) * layer
     scored = mb * cfg.max_new_tokens                                                      # log-probs taken
     update = {"gradients": gradients, "ddp_buckets": P * w if world > 1 and not fsdp else 0, "activations": int(kept),
-              "lm_head": _logits(cfg, scored, V) + scored * C * (a + 4)}  # + hidden states, their fp32 grad
+              "lm_head": _logits(cfg, scored, V) + scored * C * (a + 4) + V * C * w}  # hidden states, fp32 grads
+    piece = 4 * 2 * min(CHUNK, P // world) if w == 2 else 0
+    update["optimizer_step"] = max(0, piece - update["activations"] - update["lm_head"])
     KD = m.num_key_value_heads * m.head_dim
     scoring = (ms * T * (2 * r * C + a * (2 * C + 2 * KD + 3 * m.intermediate_size))     # one layer, no grad
                + _logits(cfg, ms * cfg.max_new_tokens, V))

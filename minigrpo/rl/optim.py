@@ -28,6 +28,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from minigrpo.model.sampling import M31, mix31
 
+CHUNK = 1 << 26  # elements per compiled update call; eager: CHUNK // 16, which bounds its fp32 temporaries
+
 
 def round_stochastic(x: torch.Tensor, seed: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """fp32 -> bf16, rounding to one of the two neighbouring bf16 values, unbiasedly.
@@ -60,7 +62,7 @@ class StochasticAdamW(torch.optim.Optimizer):
     """Decoupled-weight-decay Adam (torch.optim.AdamW's math) for bf16 parameters, rounding stochastically.
 
     compile: None = torch.compile the chunk update when the parameters are on CUDA (one compile, shapes
-    symbolic), eager elsewhere; the two compute the same thing. chunk: None = 64M elements compiled, 4M eager."""
+    symbolic), eager elsewhere; the two compute the same thing. chunk: None = CHUNK compiled, CHUNK // 16 eager."""
 
     def __init__(self, params, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, chunk: int | None = None, compile: bool | None = None):
@@ -74,8 +76,7 @@ class StochasticAdamW(torch.optim.Optimizer):
                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}  # bf16, like p
         if compile is None:
             compile = all(p.device.type == "cuda" for group in self.param_groups for p in group["params"])
-        # Compiled, fewer calls are faster (bench/optim.py); eager, 4M elements bound the fp32 temporaries.
-        self.chunk = chunk or (1 << 26 if compile else 1 << 22)
+        self.chunk = chunk or (CHUNK if compile else CHUNK // 16)  # compiled, fewer calls are faster (bench/optim.py)
         self._update = torch.compile(_adamw_chunk, dynamic=True) if compile else _adamw_chunk
 
     @torch.no_grad()
@@ -98,11 +99,15 @@ class StochasticAdamW(torch.optim.Optimizer):
                 quads = [((p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]), first)
                          for p, first in run]
                 for piece, offset in _chunks(quads, self.chunk):
-                    w, g, m, v = (torch.cat(x) if len(piece) > 1 else x[0] for x in zip(*piece))  # (n,) each
-                    self._update(w, g, m, v, hyper, seeds, offset)
-                    if len(piece) > 1:  # concatenated: copy the results back
-                        for j, new in ((0, w), (2, m), (3, v)):
-                            torch._foreach_copy_([q[j] for q in piece], new.split([q[0].numel() for q in piece]))
+                    self._update_piece(piece, offset, hyper, seeds)
+
+    def _update_piece(self, piece, offset: int, hyper: torch.Tensor, seeds: torch.Tensor) -> None:
+        """Several small parameters are concatenated, updated, and copied back: one piece's copies at a time."""
+        w, g, m, v = (torch.cat(x) if len(piece) > 1 else x[0] for x in zip(*piece))  # (n,) each
+        self._update(w, g, m, v, hyper, seeds, offset)
+        if len(piece) > 1:
+            for j, new in ((0, w), (2, m), (3, v)):
+                torch._foreach_copy_([q[j] for q in piece], new.split([q[0].numel() for q in piece]))
 
 
 def _first_index(p: torch.Tensor) -> int:

@@ -19,8 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minigrpo.model.config import ModelConfig
 
-# SDPA's kernels less cuDNN's, which costs ~0.8 ms of host time per call (a plan for each new shape) against
-# flash's few microseconds: in the trainer's host-bound update that was ~0.5 s of a 1.6 s step (bench/NOTES.md).
+# SDPA's kernels less cuDNN's, whose plan for each new shape costs ~0.8 ms of host time a call (bench/NOTES.md)
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -14,9 +14,6 @@ The LR is a function of the step number; every random number derives from (seed,
 Under torchrun each rank rolls out its block of the prompts and the update runs through DDP or FSDP; the math
 is the single-process step's (distributed.py).
 
-Precision (`weights`): "fp32" keeps fp32 master weights and AdamW state, the forward under bf16 autocast on
-CUDA; "bf16" keeps weights, gradients and moments in bf16 with stochastic rounding (optim.py).
-
 Shape legend: B prompts per step, G samples per prompt, N = B*G rows, R = N/W rows of each of W ranks,
 n kept rows (of this rank), C completion length.
 """

@@ -60,8 +60,7 @@ def pad_prefill(ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, rows
     slot; extra rows have length 1. Right padding leaves the real rows' results unchanged (causal)."""
     n, t = ids.shape                                                                # (n, t) -> (rows, T)
     pad = (0, T - t, 0, rows - n)
-    return (F.pad(ids, pad), F.pad(lens, (0, rows - n), value=1),
-            F.pad(slots, pad, value=scratch))
+    return F.pad(ids, pad), F.pad(lens, (0, rows - n), value=1), F.pad(slots, pad, value=scratch)
 
 
 class StepRunner:

@@ -104,6 +104,9 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
         clock.reset()
         rows.append(dict(trainer.step(), kv_pool_gb=kv_gb, **clock.reset()))
     gc.callbacks.remove(clock._on)  # the next run (another --attn) starts its own clock
+    if dist.is_main:  # where the compile seconds went, by stage (tracing, AOT, Inductor, Triton builds); cumulative
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compile_times.txt").write_text(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
     # The estimate the start-up check made (for the data's longest prompt), and for the longest one drawn
     estimates = [train_cli.memory_estimator(cli, model.config, task, None, dist.world, longest_prompt=n)(cli.cfg)
                  for n in (None, reward.longest)]

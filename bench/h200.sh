@@ -126,8 +126,8 @@ case "${1:-}" in
     esac ;;
   sizes)       # issue 17's sizes table: random weights at the published shapes given (default: 0.5b 1.5b 3b 7b),
                # 8 x 8 x 256, K = 2, beta 0.04, 3 steps, with the default flags and the LEAN ones. Each run prints
-               # warm_step_s, peak_gb and the memory estimate (estimate_drawn_gb: for the prompts the steps drew,
-               # estimate_error against peak_gb), or `refused` with the one line the memory check stopped it with.
+               # warm_step_s, peak_gib and the memory estimate (estimate_drawn_gib: for the prompts the steps drew,
+               # estimate_error against peak_gib), or `refused` with the one line the memory check stopped it with.
                # About 3 min per size up to 3B, 6-7 min for 7b (its 15 GB random model is written first): one
                # device call for `sizes 0.5b 1.5b`, one for `sizes 3b`, one for `sizes 7b`
     SIZES=("${@:2}"); [ ${#SIZES[@]} -gt 0 ] || SIZES=(0.5b 1.5b 3b 7b)

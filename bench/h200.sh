@@ -126,8 +126,8 @@ case "${1:-}" in
     esac ;;
   sizes)       # issue 17's sizes table: random weights at the published shapes given (default: 0.5b 1.5b 3b 7b),
                # 8 x 8 x 256, K = 2, beta 0.04, 3 steps, with the default flags and the LEAN ones. Each run prints
-               # warm_step_s, peak_gb and the memory estimate (estimate_drawn_gb: for the prompts the steps drew,
-               # estimate_error against peak_gb), or `refused` with the one line the memory check stopped it with.
+               # warm_step_s, peak_gib and the memory estimate (estimate_drawn_gib: for the prompts the steps drew,
+               # estimate_error against peak_gib), or `refused` with the one line the memory check stopped it with.
                # About 3 min per size up to 3B, 6-7 min for 7b (its 15 GB random model is written first): one
                # device call for `sizes 0.5b 1.5b`, one for `sizes 3b`, one for `sizes 7b`
     SIZES=("${@:2}"); [ ${#SIZES[@]} -gt 0 ] || SIZES=(0.5b 1.5b 3b 7b)
@@ -197,7 +197,8 @@ case "${1:-}" in
       --steps ${STEPS:-100} -- $LEAN --micro-batch-size 32 > /dev/null 2>&1
     python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['triton']['every_step']; c=[s['compile_s'] for s in r]; \
 print('steps', len(c), 'compile_s total', round(sum(c), 1), 'steps compiling', [(i + 1, x) for i, x in enumerate(c) if x > 0.5], \
-'median step', sorted(s['time_step'] for s in r)[len(r) // 2])" "$OUT/compile100/train_step.json" ;;
+'median step', sorted(s['time_step'] for s in r)[len(r) // 2])" "$OUT/compile100/train_step.json"
+    sort -t, -k2 -gr "$OUT"/compile100/train_*/compile_times.txt | head -12 ;;
   speedbig)    # the same at the 1.5B and 7B shapes (MODELS="15b 7b"; ~4 min each), before and after (32-row
                # micro-batches); TRL: the trl part
     for m in ${MODELS:-15b 7b}; do

@@ -57,7 +57,7 @@ def main():
     trainer.step()
     held = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    peak = trainer.step()["peak_mem_gb"]
+    peak = trainer.step()["peak_mem_gib"]
     trace = torch.cuda.memory._snapshot()["device_traces"][0]
     torch.cuda.memory._record_memory_history(enabled=None)
     lines = [f"{flags}: step 2 peak {peak:.3f} GiB, estimate {e.total / 2**30:.3f} GiB ({e})",

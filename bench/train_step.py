@@ -17,7 +17,7 @@ estimate says would not fit stops at start, and its one-line message is the resu
 
 Data parallel (issue 6's scaling table): under `torchrun --nproc-per-node N` each rank rolls out
 --prompts prompts, so the per-GPU batch stays fixed and B = N x --prompts (`-- --parallel fsdp` for FSDP2).
-Rank 0 reports; step times, samples/s and tokens/s are over all ranks, `peak_gb_per_rank` lists each
+Rank 0 reports; step times, samples/s and tokens/s are over all ranks, `peak_gib_per_rank` lists each
 rank's. --profile profiles one more step on every rank: the top kernels, the time in NCCL kernels and the
 time the GPU has no compute kernel running, to profile.txt (rank 0) and a Chrome trace per rank.
 """
@@ -98,12 +98,15 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
     reward = StandInReward(task)
     trainer = Trainer(cli.cfg, model, tokenizer, reward, backend, out, tokenizer_dir=model_dir, dist=dist)
     pool = getattr(backend, "kv", None)  # the engine's KV pool, resident through the update
-    kv_gb = sum(t.numel() * t.element_size() for t in pool.k + pool.v) / 2**30 if pool else 0.0
+    kv_gib = sum(t.numel() * t.element_size() for t in pool.k + pool.v) / 2**30 if pool else 0.0
     rows, clock = [], GcClock()
     for _ in range(args.steps):
         clock.reset()
-        rows.append(dict(trainer.step(), kv_pool_gb=kv_gb, **clock.reset()))
+        rows.append(dict(trainer.step(), kv_pool_gib=kv_gib, **clock.reset()))
     gc.callbacks.remove(clock._on)  # the next run (another --attn) starts its own clock
+    if dist.is_main:  # where the compile seconds went, by stage (tracing, AOT, Inductor, Triton builds); cumulative
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compile_times.txt").write_text(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
     # The estimate the start-up check made (for the data's longest prompt), and for the longest one drawn
     estimates = [train_cli.memory_estimator(cli, model.config, task, None, dist.world, longest_prompt=n)(cli.cfg)
                  for n in (None, reward.longest)]
@@ -148,22 +151,22 @@ def compute_idle_s(prof) -> float:
 
 
 KEYS = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_sync", "time_step", "rollout_tokens_per_s",
-        "peak_mem_gb", "peak_mem_update_gb", "update_working_mem_gb", "trained_rows", "loss", "kl", "clip_frac",
+        "peak_mem_gib", "peak_mem_update_gib", "update_working_mem_gib", "trained_rows", "loss", "kl", "clip_frac",
         "grad_norm", "logp_diff_mean", "logp_diff_max", "mismatch_kl", "tis_weight_mean", "tis_ratio_max",
-        "tis_capped_frac", "compiled_graphs", "compile_s", "completion_len_mean", "kv_pool_gb", "gc_s", "gc_full")
+        "tis_capped_frac", "compiled_graphs", "compile_s", "completion_len_mean", "kv_pool_gib", "gc_s", "gc_full")
 
 
 def summary(rows: list[dict], estimates, dist: distributed.Dist, samples: int) -> dict:
     """The last step's metrics, the fastest step after the first that compiled nothing, each step's times, and
     the memory estimate against the measured peak: for the data's longest prompt (what the start-up check
     used) and, like for like, for the longest prompt the steps drew (estimate_error). samples: completions
-    per step over all ranks; every rank's peak in peak_gb_per_rank (a collective: every rank calls this)."""
+    per step over all ranks; every rank's peak in peak_gib_per_rank (a collective: every rank calls this)."""
     last, (estimate, drawn) = rows[-1], estimates
     row = {k: last[k] for k in KEYS if k in last}
     row.update(rollout_share=last["time_rollout"] / last["time_step"], world=dist.world)
-    peak = max(r.get("peak_mem_gb", 0.0) for r in rows)
-    row["peak_gb_per_rank"] = [round(x, 2) for x in dist.gather(torch.tensor([peak])).tolist()]
-    row.update(peak_gb=peak, estimate_gb=estimate.total / 2**30, estimate_drawn_gb=drawn.total / 2**30,
+    peak = max(r.get("peak_mem_gib", 0.0) for r in rows)
+    row["peak_gib_per_rank"] = [round(x, 2) for x in dist.gather(torch.tensor([peak])).tolist()]
+    row.update(peak_gib=peak, estimate_gib=estimate.total / 2**30, estimate_drawn_gib=drawn.total / 2**30,
                estimate_error=drawn.total / 2**30 / peak - 1 if peak else None, estimate_terms=str(drawn))
     graphs = [r.get("compiled_graphs", 0) for r in rows]
     warm = [r["time_step"] for i, r in enumerate(rows) if i and graphs[i] == graphs[i - 1]]

@@ -246,7 +246,7 @@ def test_estimate_bounds_the_measured_peak_on_the_gpu(tmp_path, flags):
     torch.cuda.empty_cache()
     held_before = torch.cuda.memory_allocated()
     trainer, e = small_training_run(flags, tmp_path)
-    peak = max(trainer.step()["peak_mem_gb"] for _ in range(2)) * 2**30 - held_before
+    peak = max(trainer.step()["peak_mem_gib"] for _ in range(2)) * 2**30 - held_before
     print(f"\n[memory {flags}] measured {peak / 2**30:.2f} GiB, estimated {e.total / 2**30:.2f} GiB ({e}), "
           f"error {e.total / peak - 1:+.1%}; held by earlier tests {held_before / 2**30:.2f} GiB")
     assert peak <= e.total <= 1.3 * peak

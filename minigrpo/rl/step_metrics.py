@@ -76,7 +76,7 @@ def speed_and_memory(timer: PhaseTimer, step: dict, device: torch.device, compil
     m = {**{f"time_{k}": v for k, v in timer.times.items()}, "time_step": timer.total,
          "rollout_tokens_per_s": tokens / max(timer.times["rollout"], 1e-9),
          "tokens_per_s": tokens / max(timer.total, 1e-9), "compile_s": timer.compiling,
-         "peak_mem_gb": max(peak, step.get("peak_mem_before_update_gb", 0.0))}
+         "peak_mem_gib": max(peak, step.get("peak_mem_before_update_gib", 0.0))}
     if compiled:
         m["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return m

@@ -285,8 +285,8 @@ class Trainer:
         torch.cuda.reset_peak_memory_stats(dev)
         yield
         peak = torch.cuda.max_memory_allocated(dev)
-        m.update(peak_mem_update_gb=peak / 2**30, update_working_mem_gb=(peak - resident) / 2**30,
-                 peak_mem_before_update_gb=peak_before / 2**30)
+        m.update(peak_mem_update_gib=peak / 2**30, update_working_mem_gib=(peak - resident) / 2**30,
+                 peak_mem_before_update_gib=peak_before / 2**30)
 
     @torch.no_grad()
     def _score(self, forward, batch: SequenceBatch, most: int = 0, return_entropy: bool = False):

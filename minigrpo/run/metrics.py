@@ -16,7 +16,7 @@ rows only: with kl_beta = 0 zero-advantage groups get no forward):
   KL(rollout || trainer) on them), tis_weight_mean (as applied), tis_ratio_max (before the cap),
   tis_capped_frac, lr, time_{rollout,reward,logprobs,update,sync,step} (seconds), rollout_tokens_per_s and
   tokens_per_s (completion tokens / rollout time, / step time), compile_s (seconds of the step compiling),
-  peak_mem_gb (CUDA; 0 on CPU), skipped_update (no group had a reward spread), eval_* (evaluate.py's keys).
+  peak_mem_gib (CUDA; 0 on CPU), skipped_update (no group had a reward spread), eval_* (evaluate.py's keys).
 """
 
 import json
@@ -43,7 +43,7 @@ _LINE = [
     ("time_update", "upd", "{:.2f}s", "update seconds"),
     ("time_sync", "sync", "{:.3f}s", "seconds copying the weights to the rollout engine"),
     ("compile_s", "comp", "{:.1f}s", "seconds of the step spent compiling (torch.compile)"),
-    ("peak_mem_gb", "mem", "{:.1f}G", "peak GPU memory"),
+    ("peak_mem_gib", "mem", "{:.1f}Gi", "peak GPU memory, GiB"),
     ("eval_accuracy", "EVAL acc", "{:.4f}", "test accuracy (mean over --eval-samples)"),
 ]
 LEGEND = "columns: " + "; ".join(f"{label} = {meaning}" for _, label, _, meaning in _LINE if meaning)

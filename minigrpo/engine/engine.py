@@ -14,8 +14,6 @@ finished sequences' pages and compacts the survivors into the smallest bucket th
 Shape legend: N sequences in a rollout (prompts x G), B bucket (batch slots), M block-table width, W output width.
 """
 
-from __future__ import annotations
-
 import math
 from collections import deque
 
@@ -103,8 +101,7 @@ class Engine:
                 # Finished slots no longer change (done slots store nothing), so their rows can be gathered
                 # behind the step still running, and their pages reused by the next prefill (same stream).
                 idx = torch.tensor(finished, device=self.device)
-                finished_rows.append(([slot_seq[i] for i in finished], st.ctr[idx], st.out_tok[idx],
-                                      st.out_logp[idx]))
+                finished_rows.append(([slot_seq[i] for i in finished], st.ctr[idx], st.out_tok[idx], st.out_logp[idx]))
                 for i in finished:
                     self.kv.release(seq_pages.pop(slot_seq[i]))
                 keep = [i for i in range(n) if not done[i]]

@@ -11,8 +11,6 @@ Shape legend: B bucket (batch slots), M block-table width, W output width (max_s
 in a prefill, T their padded length, V vocabulary.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 
@@ -60,8 +58,7 @@ def pad_prefill(ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, rows
     slot; extra rows have length 1. Right padding leaves the real rows' results unchanged (causal)."""
     n, t = ids.shape                                                                # (n, t) -> (rows, T)
     pad = (0, T - t, 0, rows - n)
-    return (F.pad(ids, pad), F.pad(lens, (0, rows - n), value=1),
-            F.pad(slots, pad, value=scratch))
+    return F.pad(ids, pad), F.pad(lens, (0, rows - n), value=1), F.pad(slots, pad, value=scratch)
 
 
 class StepRunner:

@@ -9,8 +9,6 @@ Shape legend: B batch, T sequence length, C hidden size, H query heads, K key/va
 D head dim, F MLP width, V vocabulary.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,8 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minigrpo.model.config import ModelConfig
 
-# SDPA's kernels less cuDNN's, which costs ~0.8 ms of host time per call (a plan for each new shape) against
-# flash's few microseconds: in the trainer's host-bound update that was ~0.5 s of a 1.6 s step (bench/NOTES.md).
+# SDPA's kernels less cuDNN's, whose plan for each new shape costs ~0.8 ms of host time a call (bench/NOTES.md)
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

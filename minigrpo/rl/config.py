@@ -1,10 +1,4 @@
-"""The trainer's settings: one frozen dataclass, validated on construction, and the LR schedule it implies.
-
-A checkpoint stores the config it was trained with; resuming refuses a different one, except for the settings
-in RESUMABLE_CHANGES.
-"""
-
-from __future__ import annotations
+"""The trainer's settings: one frozen dataclass, validated on construction, and the LR schedule it implies."""
 
 import math
 from dataclasses import dataclass, fields
@@ -54,8 +48,7 @@ class TrainConfig:
     logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: ~2 x chunk x vocab x 2 B); 0 = full logits
     activation_checkpointing: bool = False  # recompute layers in backward: far fewer activations, +1 forward
     weights: str = "fp32"             # fp32 master weights (+ bf16 autocast on CUDA), or bf16 (optim.py)
-    compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference,
-                                      # batch and length dimensions dynamic: one graph per grad mode
+    compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference
     parallel: str = "ddp"             # the update under torchrun: DDP or FSDP2 (distributed.py); none alone
     task: str = "gsm8k chat"          # what the rollout reads (train.py's task, template, reward): kept on resume
 
@@ -111,8 +104,9 @@ class TrainConfig:
                              f"of one completion), and eval_temperature must be >= 0; got {self.eval_temperature}")
 
 
-# Settings that may change when resuming: they do not alter the training trajectory (parallel, like the
-# world size, only the rounding: checkpoints hold the full state either way).
+# A checkpoint stores its config; resuming refuses a different one, except for these settings: they do not
+# alter the training trajectory (parallel, like the world size, only the rounding: checkpoints hold the full
+# state either way).
 RESUMABLE_CHANGES = {"steps", "eval_every", "eval_limit", "eval_batch_size", "eval_max_new_tokens", "eval_samples",
                      "eval_temperature", "save_every", "keep_checkpoints", "sample_every", "num_samples", "parallel"}
 

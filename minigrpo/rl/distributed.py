@@ -10,8 +10,6 @@ A data-parallel run is a re-partitioning of the single-process step:
 `Dist()` (world 1) is the single process: every helper is the identity and torch.distributed is untouched.
 """
 
-from __future__ import annotations
-
 import contextlib
 import os
 import warnings
@@ -59,17 +57,12 @@ class Dist:
         tdist.all_gather_object(out, obj)
         return out
 
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        return self._all_reduce(t, tdist.ReduceOp.SUM)
-
-    def max(self, t: torch.Tensor) -> torch.Tensor:
-        return self._all_reduce(t, tdist.ReduceOp.MAX)
-
-    def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Every rank's `t` reduced elementwise by `op` ("sum" or "max"), on every rank."""
         if self.world == 1:
             return t
         x = t.to(self.device, copy=True)
-        tdist.all_reduce(x, op=op)
+        tdist.all_reduce(x, op={"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX}[op])
         return x.to(t.device)
 
     def barrier(self) -> None:

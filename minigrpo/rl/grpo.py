@@ -16,8 +16,6 @@ Shape legend:
   C  completion length (padded), C <= max_new_tokens
 """
 
-from __future__ import annotations
-
 import torch
 
 

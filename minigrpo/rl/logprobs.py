@@ -19,8 +19,6 @@ Shape legend:
   N  sequences   T  positions   D  model width   V  vocabulary   M = N*T flattened tokens
 """
 
-from __future__ import annotations
-
 import functools
 
 import torch

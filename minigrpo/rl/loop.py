@@ -3,8 +3,6 @@ samples and checkpoints on schedule, and a clean stop on Ctrl-C, SIGTERM or a Na
 writes; every rank steps, evaluates its share and saves (evaluation and checkpoints are collective).
 """
 
-from __future__ import annotations
-
 import torch
 from tqdm import tqdm
 
@@ -30,7 +28,7 @@ def run(trainer: Trainer) -> list[dict]:
                 if main:
                     logger.log(record)
             while t.step_idx < cfg.steps:
-                signum = int(t.dist.max(torch.tensor(signals.received or 0)))  # any rank's signal stops all
+                signum = int(t.dist.all_reduce(torch.tensor(signals.received or 0), "max"))  # any rank's stops all
                 if signum:
                     raise Interrupted(signum, t.step_idx, t.save())
                 m = t.step()
@@ -43,7 +41,7 @@ def run(trainer: Trainer) -> list[dict]:
                 if evaluating and (t.step_idx % cfg.eval_every == 0 or done):
                     m.update(_evaluate(t, logger))
                 if main and cfg.sample_every and t.step_idx % cfg.sample_every == 0:
-                    logger.log_samples(t.step_idx, _samples(t))
+                    logger.log_rows("samples", t.step_idx, _samples(t))
                 if main:
                     logger.log(m)
                 history.append(m)
@@ -66,7 +64,7 @@ def _evaluate(t: Trainer, logger: MetricsLogger | None) -> dict:
                    temperature=cfg.eval_temperature, seed=cfg.seed, dist=t.dist,
                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, batch_size=cfg.eval_batch_size)
     if logger is not None:
-        logger.log_eval(t.step_idx, decoded(res["records"], t.tokenizer.decode))
+        logger.log_rows("eval", t.step_idx, decoded(res["records"], t.tokenizer.decode))
     return {f"eval_{k}": v for k, v in res.items() if k != "records"}
 
 

@@ -5,8 +5,6 @@ computes them, so that the step in trainer.py reads as the algorithm.
 Shape legend: R rows of this rank, N = R*W rows of all W ranks, n trained rows of this rank, C completion length.
 """
 
-from __future__ import annotations
-
 import torch
 
 from minigrpo.rl.distributed import Dist
@@ -41,7 +39,7 @@ class UpdateSums:
         self.sums += torch.stack([loss.detach(), stats["clip_frac"] * tokens, stats["kl"] * tokens, tokens])
 
     def metrics(self, dist: Dist, with_kl: bool) -> dict:
-        loss, clip, kl, tokens = dist.sum(self.sums)
+        loss, clip, kl, tokens = dist.all_reduce(self.sums)
         tokens = tokens.clamp(min=1)
         norms = [n for n in self.norms if n is not None]
         out = {"loss": (loss / max(1, len(self.norms))).item(), "clip_frac": (clip / tokens).item(),
@@ -61,11 +59,11 @@ def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, entropy
     capped), the uncapped ratio's max and the fraction of tokens capped; and the entropy."""
     log_r = (old_logp - rollout_logp).detach() * mask                                # (n, C)
     ratio = torch.exp(log_r)                                                         # (n, C); 1 off the mask
-    sums = dist.sum(torch.stack([mask.sum(), (entropy * mask).sum(), log_r.abs().sum(),
-                                 ((ratio - 1 - log_r) * mask).sum(), (ratio.clamp(max=cap) * mask).sum(),
-                                 ((ratio > cap) * mask).sum()]))
+    sums = dist.all_reduce(torch.stack([mask.sum(), (entropy * mask).sum(), log_r.abs().sum(),
+                                        ((ratio - 1 - log_r) * mask).sum(), (ratio.clamp(max=cap) * mask).sum(),
+                                        ((ratio > cap) * mask).sum()]))
     ent, diff, kl, weight, capped = (sums[1:] / sums[0].clamp(min=1)).tolist()   # per trained token
-    maxima = dist.max(torch.stack([log_r.abs().max(), (ratio * mask).max()])).tolist()
+    maxima = dist.all_reduce(torch.stack([log_r.abs().max(), (ratio * mask).max()]), "max").tolist()
     return {"entropy": ent, "logp_diff_mean": diff, "logp_diff_max": maxima[0], "mismatch_kl": kl,
             "tis_weight_mean": weight, "tis_ratio_max": maxima[1], "tis_capped_frac": capped}
 

@@ -14,14 +14,9 @@ The LR is a function of the step number; every random number derives from (seed,
 Under torchrun each rank rolls out its block of the prompts and the update runs through DDP or FSDP; the math
 is the single-process step's (distributed.py).
 
-Precision (`weights`): "fp32" keeps fp32 master weights and AdamW state, the forward under bf16 autocast on
-CUDA; "bf16" keeps weights, gradients and moments in bf16 with stochastic rounding (optim.py).
-
 Shape legend: B prompts per step, G samples per prompt, N = B*G rows, R = N/W rows of each of W ranks,
 n kept rows (of this rank), C completion length.
 """
-
-from __future__ import annotations
 
 import contextlib
 import copy
@@ -187,9 +182,8 @@ class Trainer:
                                     pad_id=self.tokenizer.pad_id, device=self.device)
         offset = self.dist.rank * len(train)  # the global index of this rank's first rollout row
         most = max(1, int(trained.view(self.dist.world, -1).sum(1).max()))  # the most rows of one rank
-        return _Rows(batch, adv[index].to(self.device), pad_rows([rollout.logprobs[r] for r in index], batch.C,
-                                                                 self.device),
-                     {offset + r: j for j, r in enumerate(kept)}, most)
+        rollout_logp = pad_rows([rollout.logprobs[r] for r in index], batch.C, self.device)  # (n, C)
+        return _Rows(batch, adv[index].to(self.device), rollout_logp, {offset + r: j for j, r in enumerate(kept)}, most)
 
     def _reference_and_old_logprobs(self, rows: _Rows):
         """Stage 4: the KL reference's log-probs (beta > 0), and the old policy's with its entropy, (n, C) each;
@@ -232,8 +226,7 @@ class Trainer:
         weight = truncated_is_weights(old, rows.rollout_logp[idx, :C], cfg.tis_cap) if cfg.tis else None
         return dr_grpo_loss(logp, old, rows.adv[idx], mask, eps_low=cfg.eps, eps_high=cfg.eps_high,
                             ref_logp=ref_logp[idx, :C] if ref_logp is not None else None, beta=cfg.kl_beta,
-                            max_new_tokens=cfg.max_new_tokens, num_sequences=cfg.rows_per_minibatch,
-                            is_weight=weight)
+                            max_new_tokens=cfg.max_new_tokens, num_sequences=cfg.rows_per_minibatch, is_weight=weight)
 
     # ------------------------------------------------------------------------------------------- plumbing
 

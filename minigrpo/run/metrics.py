@@ -19,8 +19,6 @@ rows only: with kl_beta = 0 zero-advantage groups get no forward):
   peak_mem_gib (CUDA; 0 on CPU), skipped_update (no group had a reward spread), eval_* (evaluate.py's keys).
 """
 
-from __future__ import annotations
-
 import json
 import os
 import time
@@ -62,8 +60,7 @@ def format_line(record: dict) -> str:
 
 
 def _truncate_after(path: Path, step: int) -> None:
-    """Keep the records of steps <= `step`, rewriting the file atomically. A last line without its newline
-    is a write that a crash cut short: dropped."""
+    """Keep the records of steps <= `step` (and no line a crash cut short), rewriting the file atomically."""
     if not path.is_file():
         return
     lines = path.read_text().split("\n")[:-1]  # complete lines only
@@ -110,11 +107,9 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, record["step"])
             self._tb.flush()
 
-    def log_samples(self, step: int, samples: list[dict]) -> None:
-        _append(self.paths["samples"], [{"step": step, **r} for r in samples])
-
-    def log_eval(self, step: int, rows: list[dict]) -> None:
-        _append(self.paths["eval"], [{"step": step, **r} for r in rows])
+    def log_rows(self, name: str, step: int, rows: list[dict]) -> None:
+        """Append `step`'s rows to `name`.jsonl ("samples" or "eval")."""
+        _append(self.paths[name], [{"step": step, **r} for r in rows])
 
     def close(self) -> None:
         if self._tb is not None:

@@ -16,6 +16,8 @@ Shape legend: B sequences, Hq query heads, Hkv KV heads, D head dim, P pages in 
 page, M block-table width (pages per sequence), NS splits of the sequence.
 """
 
+from __future__ import annotations
+
 import functools
 
 import torch

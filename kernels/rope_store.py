@@ -7,6 +7,8 @@ the v into the pools at `slot = page * S + offset`; a negative slot (a padded ba
 Shape legend: B sequences, Hq query heads, Hkv KV heads, D head dim, P pages, S page size.
 """
 
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl

@@ -14,6 +14,8 @@ chunk in registers; there is no division at temperature 1 (exact anyway). Plain 
 Shape legend: B rows, V vocabulary, NC = ceil(V / chunk) chunks per row.
 """
 
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl

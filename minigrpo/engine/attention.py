@@ -16,6 +16,8 @@ Shape legend: B sequences, Hq query heads, Hkv KV heads, R = n_rep = Hq / Hkv, D
 S page size, M block-table width, T = M * S padded context length.
 """
 
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
 

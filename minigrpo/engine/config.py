@@ -1,5 +1,7 @@
 """`EngineConfig`: the rollout engine's settings, read by the engine and by the runner below it."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass, field
 
 from minigrpo.engine.attention import BACKENDS

@@ -13,6 +13,8 @@ V vocabulary, L layers, M block-table width, S page size, W output width (max_se
 is scratch).
 """
 
+from __future__ import annotations
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -14,6 +14,8 @@ finished sequences' pages and compacts the survivors into the smallest bucket th
 Shape legend: N sequences in a rollout (prompts x G), B bucket (batch slots), M block-table width, W output width.
 """
 
+from __future__ import annotations
+
 import math
 from collections import deque
 

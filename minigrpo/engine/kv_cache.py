@@ -9,6 +9,8 @@ branch for "no sequence here". Pages are handed out between decode steps, never 
 Shape legend: L layers, P pages, S page size (token slots per page), K kv heads, D head dim, N tokens.
 """
 
+from __future__ import annotations
+
 import torch
 
 from minigrpo.model.config import ModelConfig

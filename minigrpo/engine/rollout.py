@@ -11,6 +11,8 @@ per completion, group-major like the result: a completion is a pure function of 
 correct, nothing to sync). The fast engine (`--attn eager|sdpa|triton`) is `minigrpo.engine.engine.Engine`.
 """
 
+from __future__ import annotations
+
 import os
 
 import torch

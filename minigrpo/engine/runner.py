@@ -11,6 +11,8 @@ Shape legend: B bucket (batch slots), M block-table width, W output width (max_s
 in a prefill, T their padded length, V vocabulary.
 """
 
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
 

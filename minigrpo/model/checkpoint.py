@@ -5,6 +5,8 @@ dtype, so a bf16 GPU model never exists as an fp32 host copy. Saving writes a di
 loads as-is, atomically: into a temporary sibling renamed into place only when complete.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import shutil

@@ -5,6 +5,8 @@ computation (sliding window, RoPE scaling, another activation or model type) is 
 a model that loads but computes something else shows up in RL only as a reward curve a little off.
 """
 
+from __future__ import annotations
+
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path

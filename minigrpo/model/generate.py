@@ -5,6 +5,8 @@ capture can hide a bug. The engine must reproduce its greedy tokens exactly (fp3
 same `sample` and per-sequence seeds, its sampled ones too.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import torch

@@ -9,6 +9,8 @@ Shape legend: B batch, T sequence length, C hidden size, H query heads, K key/va
 D head dim, F MLP width, V vocabulary.
 """
 
+from __future__ import annotations
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

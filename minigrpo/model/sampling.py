@@ -17,6 +17,8 @@ constant, so that a draw stays a function of the seeds alone.
 Shape legend: B sequences, V vocabulary, NC = ceil(V / SAMPLE_CHUNK) chunks, C = SAMPLE_CHUNK.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import torch

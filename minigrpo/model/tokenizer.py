@@ -9,6 +9,8 @@ Stop tokens come from `generation_config.json` (`<|im_end|>` and `<|endoftext|>`
 The model's embedding has more rows than the tokenizer has tokens; `decode` drops ids in that padding.
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 import warnings
@@ -45,7 +47,7 @@ class Tokenizer:
         self.stop_ids: tuple[int, ...] = tuple(stop_ids)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load from a Hugging Face model directory (tokenizer.json, tokenizer_config.json, generation_config.json)."""
         path = Path(path)
         if not path.is_dir():

@@ -1,5 +1,7 @@
 """The trainer's settings: one frozen dataclass, validated on construction, and the LR schedule it implies."""
 
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass, fields
 

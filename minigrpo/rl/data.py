@@ -5,6 +5,8 @@ resumed run reproduces an uninterrupted one. The prompt order is an endless stre
 fresh permutation every epoch: the sampler's whole state is (epoch, position).
 """
 
+from __future__ import annotations
+
 import numpy as np
 
 _STREAM = 0x5EED_DA7A  # keeps this stream of random numbers apart from other (seed, ...) users

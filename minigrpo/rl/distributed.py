@@ -10,6 +10,8 @@ A data-parallel run is a re-partitioning of the single-process step:
 `Dist()` (world 1) is the single process: every helper is the identity and torch.distributed is untouched.
 """
 
+from __future__ import annotations
+
 import contextlib
 import os
 import warnings

@@ -7,6 +7,8 @@ j = 1, 2, 4, ..., k, by the unbiased estimator of Chen et al. (2021). Each compl
 evaluates with its own rollout backend: the same engine and weights as the rollouts.
 """
 
+from __future__ import annotations
+
 import math
 import time
 

@@ -16,6 +16,8 @@ Shape legend:
   C  completion length (padded), C <= max_new_tokens
 """
 
+from __future__ import annotations
+
 import torch
 
 

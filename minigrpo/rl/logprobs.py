@@ -19,6 +19,8 @@ Shape legend:
   N  sequences   T  positions   D  model width   V  vocabulary   M = N*T flattened tokens
 """
 
+from __future__ import annotations
+
 import functools
 
 import torch

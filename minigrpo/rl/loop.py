@@ -3,6 +3,8 @@ samples and checkpoints on schedule, and a clean stop on Ctrl-C, SIGTERM or a Na
 writes; every rank steps, evaluates its share and saves (evaluation and checkpoints are collective).
 """
 
+from __future__ import annotations
+
 import torch
 from tqdm import tqdm
 

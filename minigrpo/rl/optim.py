@@ -19,6 +19,8 @@ optimizer: torch.distributed.checkpoint would otherwise create it with a `step()
 Shape legend: n elements of one chunk.
 """
 
+from __future__ import annotations
+
 import itertools
 
 import torch

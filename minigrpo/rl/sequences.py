@@ -13,6 +13,8 @@ Shape legend: n rows, T columns, C completion length (padded, max over rows), D 
 tokens (all rows).
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +44,7 @@ class SequenceBatch:
         return torch.stack([rows, j, torch.tensor(self.prompt_lens)[rows] - 1 + j]).to(self.ids.device)
 
     @classmethod
-    def build(cls, prompts: list[list[int]], completions: list[list[int]], *, pad_id: int, device) -> "SequenceBatch":
+    def build(cls, prompts: list[list[int]], completions: list[list[int]], *, pad_id: int, device) -> SequenceBatch:
         """Rows of prompt i + completion i. Every completion is already cut after its first stop (Stops.cut), so
         the loss mask is its length: the stop token trains (the policy learns to emit it), nothing after it
         exists. Every prompt holds a token (the rollout backends check it): its last one scores the first
@@ -55,7 +57,7 @@ class SequenceBatch:
         mask = torch.arange(max(1, max(lens)))[None, :] < torch.tensor(lens)[:, None]   # (n, C)
         return cls(ids.to(device), mask.float().to(device), [len(p) for p in prompts], lens)
 
-    def select(self, rows: list[int], *, n_rows: int = 0) -> "SequenceBatch":
+    def select(self, rows: list[int], *, n_rows: int = 0) -> SequenceBatch:
         """The given rows without the columns that are padding in all of them, plus empty rows (mask 0) up to
         `n_rows`: padding never reaches a real token, and the zero mask keeps it out of every loss and metric."""
         C2 = max(1, max(self.completion_lens[r] for r in rows))

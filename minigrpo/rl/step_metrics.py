@@ -5,6 +5,8 @@ computes them, so that the step in trainer.py reads as the algorithm.
 Shape legend: R rows of this rank, N = R*W rows of all W ranks, n trained rows of this rank, C completion length.
 """
 
+from __future__ import annotations
+
 import torch
 
 from minigrpo.rl.distributed import Dist

@@ -18,6 +18,8 @@ Shape legend: B prompts per step, G samples per prompt, N = B*G rows, R = N/W ro
 n kept rows (of this rank), C completion length.
 """
 
+from __future__ import annotations
+
 import contextlib
 import copy
 import functools

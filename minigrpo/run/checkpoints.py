@@ -13,6 +13,8 @@ The state file holds only tensors and plain values, so it loads with `torch.load
 no pickled code. No global RNG state is saved: training draws every random number from (seed, step, ...).
 """
 
+from __future__ import annotations
+
 import os
 import shutil
 from pathlib import Path

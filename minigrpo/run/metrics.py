@@ -19,6 +19,8 @@ rows only: with kl_beta = 0 zero-advantage groups get no forward):
   peak_mem_gib (CUDA; 0 on CPU), skipped_update (no group had a reward spread), eval_* (evaluate.py's keys).
 """
 
+from __future__ import annotations
+
 import json
 import os
 import time

@@ -5,6 +5,8 @@ run (--resume) or moves it aside to `<out>.old-<time>` (--overwrite, which delet
 a checkpoint from elsewhere into it.
 """
 
+from __future__ import annotations
+
 import os
 import time
 from pathlib import Path

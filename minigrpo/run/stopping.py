@@ -6,6 +6,8 @@ the last complete checkpoint as it was. A step whose loss or weights are NaN or 
 before anything saves those weights.
 """
 
+from __future__ import annotations
+
 import math
 import os
 import signal
@@ -49,7 +51,7 @@ class StopSignals:
         self.received: int | None = None
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
         return self

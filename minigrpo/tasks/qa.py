@@ -9,6 +9,8 @@ Every record is checked at load time; a bad one is reported with its file and li
 need pyarrow (`minigrpo[hub-data]`).
 """
 
+from __future__ import annotations
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path

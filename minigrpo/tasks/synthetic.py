@@ -13,6 +13,8 @@ for the exact answer; with 3 digits the digits alone score 0.75, so passing 0.8 
 `CharTokenizer` duck-types what the trainer uses of `minigrpo.model.tokenizer.Tokenizer`.
 """
 
+from __future__ import annotations
+
 from typing import Sequence
 
 import numpy as np

@@ -4,6 +4,8 @@ The trainer sees a task only through `Task`, so question/answer data under any t
 the synthetic tasks (`minigrpo.tasks.synthetic`) are interchangeable.
 """
 
+from __future__ import annotations
+
 from typing import Protocol, Sequence
 
 from minigrpo.tasks.qa import SOURCES, Example, load_examples

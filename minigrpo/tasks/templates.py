@@ -18,6 +18,8 @@ tokenisations (`stop_sequences`): each one's text holds the string, so the host'
 token. A rarer tokenisation decodes on and is cut all the same.
 """
 
+from __future__ import annotations
+
 import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass

@@ -8,6 +8,8 @@ The final answer is the last non-empty \\boxed{...}, else the last "#### N" (GSM
 last number in the text.
 """
 
+from __future__ import annotations
+
 import math
 import re
 

@@ -1,6 +1,7 @@
 """Stochastic rounding and the bf16 AdamW built on it (minigrpo/rl/optim.py)."""
 
 import io
+import weakref
 
 import pytest
 import torch
@@ -198,6 +199,25 @@ def test_grouping_small_tensors_changes_no_rounding():
                                opt.state[w]["exp_avg_sq"].view(-1)]) for w in ws])
     for other in out[1:]:
         assert all(torch.equal(a, b) for a, b in zip(out[0], other))
+
+def test_one_piece_of_concatenated_parameters_lives_at_a_time(monkeypatch):
+    """Small parameters are concatenated into pieces (w, g, m, v: four copies); a piece's copies are freed
+    before the next piece's are made, so the step needs one piece's memory (memory.py's optimizer_step)."""
+    params = [torch.nn.Parameter(torch.randn(100).bfloat16()) for _ in range(40)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    made, most, cat = [], 0, torch.cat
+
+    def counting_cat(tensors, *args, **kwargs):
+        nonlocal most
+        out = cat(tensors, *args, **kwargs)
+        made.append(weakref.ref(out))
+        most = max(most, sum(r() is not None for r in made))
+        return out
+    monkeypatch.setattr(torch, "cat", counting_cat)
+    StochasticAdamW(params, chunk=1024, compile=False).step(seed=0)  # 4 pieces of 10 parameters
+    assert len(made) == 16 and most == 4
+
 
 def test_two_bf16_micro_batch_gradients_need_no_fp32_sum():
     # bf16 addition computes in fp32 and rounds once, so the sum of two bf16 gradients is already the exact sum

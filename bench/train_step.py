@@ -37,31 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train as train_cli  # noqa: E402
+from bench.workload import StandInReward  # noqa: E402
 from minigrpo.engine.decode import DecodeModel  # noqa: E402
 from minigrpo.rl import distributed  # noqa: E402
 from minigrpo.rl.trainer import Trainer  # noqa: E402
-
-
-class StandInReward:
-    """The GSM8K task's prompts, scored by the parity of the completion's token ids (see module doc)."""
-
-    def __init__(self, task):
-        self.task, self.stops = task, task.stops
-        self.longest = 0  # the longest prompt the steps drew: the memory estimate's like-for-like input
-
-    def __len__(self):
-        return len(self.task)
-
-    def prompt(self, i):
-        p = self.task.prompt(i)
-        self.longest = max(self.longest, len(p))
-        return p
-
-    def score(self, i, completion_ids):
-        return float(sum(completion_ids) % 2 == 0), False
-
-    def describe(self, i):
-        return self.task.describe(i)
 
 
 class GcClock:

@@ -18,7 +18,7 @@ from minigrpo.model.config import ModelConfig
 from minigrpo.model.qwen2 import Qwen2ForCausalLM, init_weights
 from minigrpo.model.tokenizer import Tokenizer
 from minigrpo.rl.config import TrainConfig
-from minigrpo.rl.memory import MemoryEstimate, estimate
+from minigrpo.rl.memory import estimate
 from minigrpo.tasks.qa import load_jsonl
 from minigrpo.tasks.templates import TEMPLATES
 
@@ -49,9 +49,31 @@ def gsm8k_prompts(n: int, split: str = "test") -> tuple[Tokenizer, list[list[int
     return tok, [TEMPLATES["chat"].prompt(tok, e.question) for e in examples]
 
 
+class StandInReward:
+    """A task's prompts, scored by the parity of the completion's token ids: random weights never solve GSM8K,
+    and about half of each group scores 1, so every group trains (timing does not depend on reward values)."""
+
+    def __init__(self, task):
+        self.task, self.stops = task, task.stops
+        self.longest = 0  # the longest prompt the steps drew: the memory estimate's like-for-like input
+
+    def __len__(self):
+        return len(self.task)
+
+    def prompt(self, i):
+        p = self.task.prompt(i)
+        self.longest = max(self.longest, len(p))
+        return p
+
+    def score(self, i, completion_ids):
+        return float(sum(completion_ids) % 2 == 0), False
+
+    def describe(self, i):
+        return self.task.describe(i)
+
+
 class ParityTask:
-    """GSM8K prompts scored by the parity of the completion's token sum (bench/train_step.py's stand-in
-    reward): random weights never solve GSM8K, and about half of each group scores 1, so every row trains."""
+    """StandInReward's reward over a list of prompts."""
 
     def __init__(self, prompts, tokenizer):
         self.prompts, self.stops = prompts, TEMPLATES["chat"].stops(tokenizer)
@@ -62,8 +84,7 @@ class ParityTask:
     def prompt(self, i):
         return self.prompts[i]
 
-    def score(self, i, completion):
-        return float(sum(completion) % 2 == 0), False
+    score = StandInReward.score
 
     def describe(self, i):
         return {}
@@ -86,5 +107,4 @@ def small_training_run(flags: str, out_dir: Path):
     backend = make_backend("sdpa", model, pad_id=tok.pad_id, compile="none", cuda_graphs=False,
                            max_seq_len=longest + 64, max_batch=16)
     trainer = Trainer(cfg, model, tok, ParityTask(prompts, tok), backend, out_dir, echo=False)
-    e: MemoryEstimate = estimate(model.config, cfg, prompt_tokens=longest, engine=backend.cfg)
-    return trainer, e
+    return trainer, estimate(model.config, cfg, prompt_tokens=longest, engine=backend.cfg)

@@ -3,8 +3,7 @@
 Greedy decoding (the default) makes the number a property of the weights alone, which is what a before/after
 comparison needs. With k samples the report is mean@k (the accuracy over all k x n completions) and pass@j for
 j = 1, 2, 4, ..., k, by the unbiased estimator of Chen et al. (2021). Each completion's seed is a function of
-(seed, example, sample), so the numbers do not depend on the batch size or the number of ranks. The trainer
-evaluates with its own rollout backend: the same engine and weights as the rollouts.
+(seed, example, sample), so the numbers do not depend on the batch size or the number of ranks.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import re
 MAX_TEXT_CHARS = 16_384  # only this tail is scanned (the answer is at the end): bounds pathological completions
 MAX_ANSWER_CHARS = 512   # no honest final answer is longer
 REL_TOL = 1e-6           # |pred - truth| <= REL_TOL * max(1, |truth|)
+REWARD_MODES = ("numeric", "exact", "boxed")  # reward()'s modes (--reward)
 
 _BOXED_OR_BRACE = re.compile(r"\\boxed\s*\{|[{}]")
 _HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
@@ -122,9 +123,6 @@ def _math_verify_equal(pred: str, truth: str) -> bool:
         return bool(verify(parse(f"${truth}$"), parse(f"${pred}$")))
     except Exception:  # not installed, or a parser error or timeout on a string the policy wrote: not a match
         return False
-
-
-REWARD_MODES = ("numeric", "exact", "boxed")
 
 
 def reward(answer_text: str | None, ground_truth: str, mode: str = "numeric", delimited: bool = False) -> float:

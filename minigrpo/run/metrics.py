@@ -137,8 +137,7 @@ compile_seconds = _CompileClock().read
 
 
 class PhaseTimer:
-    """Wall time per phase, synchronising CUDA so that a phase is charged for its own kernels; `compiling`: the
-    seconds of it spent compiling."""
+    """Wall time per phase (CUDA synchronised: each is charged for its own kernels) and seconds spent compiling."""
 
     def __init__(self, device: torch.device, phases: tuple[str, ...]):
         self.device, self.times = device, dict.fromkeys(phases, 0.0)  # phases not reached stay at 0

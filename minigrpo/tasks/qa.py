@@ -73,10 +73,10 @@ def _make_example(record: dict, fields: tuple[str, str], final: str, numeric: bo
     question, answer = record[q], record[a]
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = str(answer)
-    if not isinstance(question, str):
-        raise ValueError(f"{where}: {q!r} must be a string, got {type(question).__name__}")
-    if not isinstance(answer, str):
-        raise ValueError(f"{where}: {a!r} must be a string or a number, got {type(answer).__name__}")
+    if not isinstance(question, str) or not isinstance(answer, str):
+        key, value = (q, question) if not isinstance(question, str) else (a, answer)
+        raise ValueError(f"{where}: {key!r} must be a string{' or a number' if key == a else ''}, "
+                         f"got {type(value).__name__}")
     if not question.strip():
         raise ValueError(f"{where}: {q!r} is empty")
     try:

@@ -5,7 +5,7 @@ layers. When the policy's parameters have the engine's dtype and device (`--weig
 `load_from` makes each one a view of the slice that holds it, so the optimizer updates the engine in
 place; otherwise it copies after each update. The buffers never move, so captured CUDA graphs stay valid.
 
-`decode_step` is the unit that gets compiled and captured: static shapes, and every state update an
+`decode_step` is the unit that gets compiled and captured: static shapes but the batch, every state update an
 in-place write into a preallocated buffer, so it can replay N times in a row with nothing from the host.
 
 Shape legend: B batch slots, T prompt length, C hidden, H query heads, K kv heads, D head dim, F MLP width,
@@ -111,8 +111,8 @@ class DecodeModel(nn.Module):
         last = x[torch.arange(B, device=ids.device), lens - 1]                      # (B, C)
         return F.linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head)  # (B, V)
 
-    def decode_logits(self, attn: str, tok, pos, block_table, live,
-                      k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> torch.Tensor:
+    def decode_logits(self, attn: str, tok, pos, block_table, live, k_pools: list[torch.Tensor],
+                      v_pools: list[torch.Tensor], num_splits: int = 0) -> torch.Tensor:
         """One token per slot -> next-token logits (B, V). Finished / empty slots (live False) store nothing
         and attend over nothing; their logits are garbage that the bookkeeping ignores."""
         cfg = self.cfg
@@ -129,7 +129,7 @@ class DecodeModel(nn.Module):
             q, k, v = F.linear(h, self.w_qkv[i], self.b_qkv[i]).split(self.qkv_sizes, dim=-1)
             q = rope_store(attn, q.view(B, H, D), k.view(B, K, D), v.view(B, K, D),
                            k_pools[i], v_pools[i], pos32, slots, self.cos, self.sin)  # (B, H, D)
-            o = decode_attention(attn, q, k_pools[i], v_pools[i], block_table, seq_lens, D ** -0.5)
+            o = decode_attention(attn, q, k_pools[i], v_pools[i], block_table, seq_lens, D ** -0.5, num_splits)
             x = x + F.linear(o.reshape(B, H * D), self.w_o[i])
             x = self._mlp(i, x)
         return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)     # (B, V)
@@ -174,7 +174,8 @@ def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, st
 
 
 def decode_step(model: DecodeModel, attn: str, params: SamplingParams, tok, pos, ctr, seed, limit, done,
-                stops, block_table, out_tok, out_logp, k_pools, v_pools, sampler: str = "torch") -> None:
+                block_table, out_tok, out_logp, stops, k_pools, v_pools, sampler: str = "torch",
+                num_splits: int = 0) -> None:
     """The whole decode step: the unit `--compile step` compiles and CUDA graphs capture."""
-    logits = model.decode_logits(attn, tok, pos, block_table, ~done, k_pools, v_pools)
+    logits = model.decode_logits(attn, tok, pos, block_table, ~done, k_pools, v_pools, num_splits)
     advance(logits, params, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp, sampler)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from minigrpo.rl import logprobs
 from minigrpo.rl.logprobs import VOCAB_SLICE, _chunk_grad, _chunk_stats, _compiled, token_logprobs
 
 N, T, D, V = 3, 5, 8, 50
@@ -183,3 +184,14 @@ def test_compiled_chunk_kernels_equal_the_eager_ones():
     block, offset = raw[:, 1000:3000], targets - 1000                           # a vocabulary slice
     want, got = _chunk_grad(block, lse, gl, offset, 0.7), _compiled(_chunk_grad)(block, lse, gl, offset, 0.7)
     assert got.dtype == torch.bfloat16 and (got.float() - want.float()).abs().max() <= 2**-8 * want.float().abs().max()
+
+
+def test_a_one_token_chunk_is_not_compiled(monkeypatch):
+    # Dynamo specialises a dimension of size 1, so a one-token chunk (M = k x chunk + 1 tokens, ~1 micro-batch
+    # in chunk_size) sent to the compiled function would compile a graph of its own in the middle of a run.
+    rows = []  # the row count of every compiled call
+    monkeypatch.setattr(logprobs, "_compiled", lambda fn: lambda raw, *a: rows.append(len(raw)) or fn(raw, *a))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # as on CUDA, where _fused compiles
+    hidden, weight, targets = _inputs(seed=0)  # 15 tokens: chunks of 7, 7 and 1, forward and backward
+    _values_and_grads(lambda h, w, y: token_logprobs(h, w, y, chunk_size=7), hidden, weight, targets, torch.ones(N, T))
+    assert rows == [7, 7] * 2  # the values: test_matches_naive_values_and_grads (chunk_size 7)

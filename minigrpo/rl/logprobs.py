@@ -56,8 +56,9 @@ _compiled = functools.cache(torch.compile)  # fn -> its compiled version, compil
 
 def _fused(fn, raw: torch.Tensor, *args):
     """fn, compiled into one kernel on CUDA (eager elsewhere: the same arithmetic). The token count varies
-    (the last chunk), so that dimension of every tensor argument is symbolic: one compile covers every chunk."""
-    if not raw.is_cuda:
+    (the last chunk), so that dimension of every tensor argument is symbolic: one compile covers every chunk
+    but one of a single token, which runs eager (Dynamo specialises a size of 1: it would compile anew)."""
+    if not raw.is_cuda or len(raw) == 1:
         return fn(raw, *args)
     for t in (raw, *args):
         if isinstance(t, torch.Tensor):

@@ -673,3 +673,23 @@ def test_compiled_layers_serve_every_batch_shape_with_one_graph_per_grad_mode(mo
     with pytest.raises(Exception, match="recompile_limit"):  # one graph too many is an error, not a quiet eager run
         layer(torch.ones(RECOMPILE_LIMIT + 1))
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("default", [False, True], ids=["layer_options", "inductor_defaults"])
+def test_compiled_layer_trains_micro_batches_either_side_of_the_mix_order_bound_with_one_graph(default):
+    # On CUDA, Inductor fuses each norm's two backward reductions (over rows, over columns) when B x T x C >= 5 x 2^20
+    # and by default guards on that: a micro-batch on the other side of the bound compiles a second graph (~10 s at
+    # 0.5B). LAYER_OPTIONS drops the guard; the defaults' second graph shows what this test can catch.
+    from minigrpo.rl.trainer import LAYER_OPTIONS
+
+    torch._dynamo.reset()
+    model = random_model(tiny_config(head_dim=64), dtype=torch.bfloat16, device="cuda")  # C = 896, as the 0.5B
+    for layer in model.model.layers:
+        layer.compile(options={} if default else LAYER_OPTIONS)
+    counters = torch._dynamo.utils.counters["stats"]
+    graphs = counters["unique_graphs"]
+    for B, T in ((4, 2048), (2, 1024), (3, 2500)):  # B x T: 8192 and 7500 above 5852, 2048 below
+        model.hidden_states(torch.randint(0, 256, (B, T), device="cuda"), checkpoint_layers=True).sum().backward()
+    assert counters["unique_graphs"] - graphs == (2 if default else 1)
+    torch._dynamo.reset()

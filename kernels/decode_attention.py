@@ -28,9 +28,7 @@ from torch.library import triton_op, wrap_triton
 BLOCK_N = 64                 # tokens per inner-loop step
 MIN_TOKENS_PER_SPLIT = 128   # a split shorter than this costs more in merge traffic than it gains
 MAX_SPLITS = 32
-# Splits pay (merge kernel, fp32 partials) only while the GPU is underfilled: split until there are
-# 3 programs per SM (`bench/attention.py --sweep`; the measurements are in bench/NOTES.md).
-PROGRAMS_PER_SM = 3
+PROGRAMS_PER_SM = 3          # splits cost a merge and fp32 partials: split only to fill the GPU (bench/NOTES.md)
 LOG2E = 1.4426950408889634
 
 

@@ -1,7 +1,4 @@
-"""Decode-step attention over the paged KV cache, behind one interface with three interchangeable backends.
-
-    decode_attention(backend, q, k_pool, v_pool, block_table, seq_lens, scale) -> (B, Hq, D)
-    rope_store(backend, q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> rotated q
+"""Decode-step attention (and the RoPE + KV store before it) over the paged KV cache: three interchangeable backends:
 
   eager  - gather each sequence's pages, plain fp32 math: the reference the others are tested against.
   sdpa   - gather pages into a dense padded K/V, then F.scaled_dot_product_attention with a length mask.
@@ -74,8 +71,7 @@ def _sdpa_decode(q, k_pool, v_pool, block_table, seq_lens, scale):
 
 
 def rope_store(backend: str, q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
-    """Rotate q and k at `positions`, store rotated k and v at `slots`; returns rotated q (B, Hq, D).
-    The triton backend fuses it into one kernel; eager and sdpa use `rope_store_torch`."""
+    """Rotate q and k at `positions`, store rotated k and v at `slots`; returns rotated q (B, Hq, D)."""
     if backend == "triton":
         return torch.ops.minigrpo.rope_store(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
     return rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin)

@@ -136,8 +136,7 @@ class DecodeModel(nn.Module):
 
 
 def sample_tokens(logits, params: SamplingParams, seed, ctr, sampler: str):
-    """The reference sampler, or for plain temperature sampling the fused Triton kernel (the same draw).
-    -> tokens (B,), log-probs (B,)."""
+    """-> tokens (B,), log-probs (B,): `sample`, or the fused Triton kernel (the same draw) for plain temperature."""
     if sampler == "triton" and not params.greedy and params.top_k == 0 and params.top_p == 1.0:
         return torch.ops.minigrpo.fused_sample(logits, seed, ctr, params.temperature, SAMPLE_CHUNK)
     return sample(logits, params, seed, ctr)

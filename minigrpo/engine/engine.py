@@ -40,23 +40,19 @@ class Engine:
             raise ValueError("cuda_graphs=True needs a CUDA device; use cuda_graphs=False on the CPU")
         self.model_cfg, self.cfg, self.device = model_cfg, cfg, device
         self.model = DecodeModel(model_cfg, dtype, device, max_positions=cfg.max_seq_len)
-        self.kv = KVCache(model_cfg, self._kv_pages(model_cfg, cfg, dtype, device), cfg.page_size, dtype, device)
         table_width = math.ceil(cfg.max_seq_len / cfg.page_size)
+        pages = cfg.kv_pages
+        if pages is None:  # every slot at max length; on CUDA at most kv_memory_fraction of the free memory
+            pages = 1 + cfg.max_batch * table_width
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                per_page = KVCache.bytes_per_page(model_cfg, cfg.page_size, dtype)
+                pages = max(2, min(pages, int(free * cfg.kv_memory_fraction) // per_page))
+        self.kv = KVCache(model_cfg, pages, cfg.page_size, dtype, device)
         self.state = SlotState(cfg.max_batch, table_width, cfg.max_seq_len + 1, device)
         self.runner = StepRunner(self.model, self.kv, self.state, cfg)
         # marks the done mask's copy to the host each round (on the CPU the copy is synchronous)
         self._done_copied = torch.cuda.Event() if device.type == "cuda" else None
-
-    @staticmethod
-    def _kv_pages(mcfg: ModelConfig, cfg: EngineConfig, dtype, device) -> int:
-        if cfg.kv_pages is not None:
-            return cfg.kv_pages
-        per_page = KVCache.bytes_per_page(mcfg, cfg.page_size, dtype)
-        full = 1 + cfg.max_batch * math.ceil(cfg.max_seq_len / cfg.page_size)  # every slot at max length
-        if device.type != "cuda":
-            return full
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(2, min(full, int(free * cfg.kv_memory_fraction) // per_page))
 
     def load_weights(self, model: Qwen2ForCausalLM) -> None:
         """Generate with the policy's weights from now on: shared or copied in place (DecodeModel.load_from)."""
@@ -86,8 +82,7 @@ class Engine:
             admitted = []
             while waiting and len(slot_seq) + G * (len(admitted) + 1) <= cfg.max_batch \
                     and self._pages_for(len(prompts[waiting[0]]), G, max_new_tokens) <= self.kv.num_free:
-                admitted.append(waiting.popleft())
-                # reserve now so the next candidate sees what is left
+                admitted.append(waiting.popleft())  # its pages reserved now: the next candidate sees what is left
                 seq_pages.update(self._reserve(admitted[-1], len(prompts[admitted[-1]]), G, max_new_tokens))
             if not admitted and not slot_seq:
                 need = self._pages_for(len(prompts[waiting[0]]), G, max_new_tokens)

@@ -56,9 +56,7 @@ def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: st
     """The rollout backend for `--attn`: the reference generator, or the fast engine with that attention.
 
     The engine runs bf16 on CUDA, fp32 on the CPU (where bf16 rounding would hide real mismatches). None
-    picks the fastest setting (bench/NOTES.md): on CUDA the compiled, captured step and the Triton sampler;
-    on the CPU the eager step and the reference sampler. max_seq_len and max_batch size the block tables
-    and the KV pool; None keeps the engine's defaults."""
+    picks the fastest setting for the device (bench/NOTES.md), or keeps the engine's default sizes."""
     if attn == "reference":
         return ReferenceBackend(model, pad_id)
     device = next(model.parameters()).device

@@ -64,8 +64,7 @@ def pad_prefill(ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, rows
 
 
 class StepRunner:
-    """Turns the decode step into a callable per (bucket, sampling params), and runs the prefill, honouring
-    the graph config."""
+    """The decode step as a callable per (bucket, sampling params), and the prefill, under the graph config."""
 
     def __init__(self, model: DecodeModel, kv: KVCache, state: SlotState, cfg: EngineConfig):
         self.model, self.kv, self.state, self.cfg = model, kv, state, cfg
@@ -81,10 +80,9 @@ class StepRunner:
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """DecodeModel.prefill into the engine's pages -> last-token logits (groups, V).
 
-        Eagerly, the prefill is ~40 small launches per layer, bound by the host. With cuda_graphs it
-        replays a capture of that same eager code, one per padded shape: one launch, and eager's kernels.
-        It is not compiled: Inductor's fused norms reduce in another order, and the prefill alone picks
-        each sequence's first token, so a bf16 near tie there would depend on the graph mode."""
+        Eagerly ~40 small launches per layer, bound by the host; with cuda_graphs one replay per padded shape
+        of that same eager code. Not compiled: Inductor's fused norms reduce in another order, and the
+        prefill alone picks each sequence's first token, so a bf16 near tie would depend on the graph mode."""
         kv = self.kv
         if not self.cfg.cuda_graphs:
             return self.model.prefill(ids, lens, slots, kv.k, kv.v)

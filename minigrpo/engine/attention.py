@@ -78,9 +78,8 @@ def rope_store(backend: str, q, k, v, k_pool, v_pool, positions, slots, cos, sin
 
 
 def rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
-    """Plain-PyTorch rope + cache store, numerically identical to the model's `apply_rope`. q (B, Hq, D),
-    k/v (B, Hkv, D); positions, slots (B,) int32 (slot = page * S + offset, < 0: skip); cos/sin (max_pos, D)
-    fp32 tables. Mutates k_pool and v_pool (P, S, Hkv, D)."""
+    """`rope_store` in plain PyTorch, numerically the model's `apply_rope`. q (B, Hq, D), k/v (B, Hkv, D);
+    positions, slots (B,) int32 (slot = page * S + offset, < 0: skip); cos/sin (max_pos, D) fp32 tables."""
     check_rope_store_inputs(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
     # As the model does: fp32 tables cast to the activation dtype, then the rotation in that dtype.
     c = cos[positions][:, None, :].to(q.dtype)                                  # (B, 1, D)

@@ -9,8 +9,7 @@ place; otherwise it copies after each update. The buffers never move, so capture
 in-place write into a preallocated buffer, so it can replay N times in a row with nothing from the host.
 
 Shape legend: B batch slots, T prompt length, C hidden, H query heads, K kv heads, D head dim, F MLP width,
-V vocabulary, L layers, M block-table width, S page size, W output width (max_seq_len + 1; the last column
-is scratch).
+V vocabulary, L layers, M block-table width, S page size, W output width (max_seq_len + 1, the last column scratch).
 """
 
 from __future__ import annotations

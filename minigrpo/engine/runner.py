@@ -1,11 +1,10 @@
 """Where the engine's graph boundaries live: the per-slot state the decode step reads and writes, and the
 runner that turns the step and the prefill into callables under the engine's graph config.
 
-`compile="step"` wraps the decode step (model, sampling and slot bookkeeping) in
-torch.compile(fullgraph=True); `cuda_graphs` captures that step, compiled or not, once per (bucket, sampling
-params), and the eager prefill once per padded shape. All captured graphs share one memory pool: they never
-run concurrently, and no output of one is read after another replays (the step writes into the slot state,
-outside the pool; logits are read at once).
+`compile="step"` wraps the decode step (model, sampling and slot bookkeeping) in torch.compile(fullgraph=True);
+`cuda_graphs` captures that step, compiled or not, once per (bucket, sampling params), and the eager prefill
+once per padded shape. All captured graphs share one memory pool: they never run concurrently, and no output of
+one is read after another replays (the step writes the slot state, outside the pool; logits are read at once).
 
 Shape legend: B bucket (batch slots), M block-table width, W output width (max_seq_len + 1), n prompts
 in a prefill, T their padded length, V vocabulary.
@@ -78,11 +77,10 @@ class StepRunner:
         self._pool = None          # one memory pool shared by all captured graphs
 
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """DecodeModel.prefill into the engine's pages -> last-token logits (groups, V).
-
-        Eagerly ~40 small launches per layer, bound by the host; with cuda_graphs one replay per padded shape
-        of that same eager code. Not compiled: Inductor's fused norms reduce in another order, and the
-        prefill alone picks each sequence's first token, so a bf16 near tie would depend on the graph mode."""
+        """DecodeModel.prefill into the engine's pages -> last-token logits (groups, V). Eagerly ~40 small
+        launches per layer, bound by the host; with cuda_graphs one replay per padded shape of that same eager
+        code. Not compiled: Inductor's fused norms reduce in another order, and the prefill alone picks each
+        sequence's first token, so a bf16 near tie would depend on the graph mode."""
         kv = self.kv
         if not self.cfg.cuda_graphs:
             return self.model.prefill(ids, lens, slots, kv.k, kv.v)

@@ -71,8 +71,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)                      # (B, V)
         probs = sorted_x.softmax(-1)
-        # Drop a token when the mass of the tokens strictly before it already reaches top_p;
-        # the most likely token is always kept.
+        # Drop a token once the mass of the tokens strictly before it reaches top_p: the most likely one stays.
         drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))

@@ -1,12 +1,11 @@
 """Qwen2.5 tokenizer: byte-level BPE from `tokenizer.json` plus the chat template in plain Python.
 
-The package must not import transformers at run time. The BPE is the Rust `tokenizers` library reading
-the published `tokenizer.json` (what transformers wraps), so encode/decode are bit-identical; `render_chat`
-re-implements the Qwen2.5 Jinja chat template for plain system/user/assistant turns (no tools), checked
-against `apply_chat_template` id for id in tests/test_tokenizer.py.
-
-Stop tokens come from `generation_config.json` (`<|im_end|>` and `<|endoftext|>` for Qwen2.5-Instruct).
-The model's embedding has more rows than the tokenizer has tokens; `decode` drops ids in that padding.
+The package must not import transformers at run time. The BPE is the Rust `tokenizers` library reading the
+published `tokenizer.json` (what transformers wraps), so encode/decode are bit-identical; `render_chat` re-implements
+the Qwen2.5 Jinja chat template for plain system/user/assistant turns (no tools), checked against
+`apply_chat_template` id for id in tests/test_tokenizer.py. Stop tokens come from `generation_config.json`
+(`<|im_end|>` and `<|endoftext|>` for Qwen2.5-Instruct). The model's embedding has more rows than the tokenizer
+has tokens; `decode` drops ids in that padding.
 """
 
 from __future__ import annotations

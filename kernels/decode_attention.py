@@ -6,8 +6,7 @@ Decode attention is pure memory traffic, so the design reads the cache once, str
 * One program per (sequence, KV head, split) serves all n_rep query heads of the group with `tl.dot`s,
   so each K/V tile is read once per group.
 * Split-K over the sequence fills the GPU when batch * kv_heads cannot: each split runs an online softmax
-  (fp32, log2 domain) and writes a normalised partial output and its log-sum-exp; a second kernel merges
-  them. The split count depends on static shapes only, never on seq_lens, so one CUDA graph per shape works.
+  (fp32, log2 domain) and writes a normalised partial output and its log-sum-exp; a second kernel merges them.
 * seq_len 0 (padded CUDA-graph slots) gives an all-zero output and touches no page.
 
 Registered through `torch.library.triton_op`, so torch.compile(fullgraph=True) traces it with no graph break.

@@ -150,9 +150,7 @@ class Engine:
     def _reserve(self, group: int, prompt_len: int, G: int, max_new: int) -> dict[int, list[int]]:
         """Pages for one group: the full prompt pages shared G ways, then each sample's private tail."""
         S = self.cfg.page_size
-        shared = self.kv.alloc(prompt_len // S)
-        for _ in range(G - 1):
-            self.kv.share(shared)
+        shared = self.kv.alloc(prompt_len // S, holders=G)
         tail = math.ceil((prompt_len % S + max_new) / S)
         return {group * G + j: shared + self.kv.alloc(tail) for j in range(G)}
 

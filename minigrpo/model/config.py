@@ -29,8 +29,7 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads"):
+        for name in (*_REQUIRED, "num_key_value_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

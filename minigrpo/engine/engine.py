@@ -164,12 +164,9 @@ class Engine:
             t = torch.arange(lens[r])                    # sample 0 holds the partial page during prefill
             slots[r, :lens[r]] = torch.tensor(seq_pages[g * G])[t // S] * S + t % S
         logits = self.runner.prefill(ids.to(dev), torch.tensor(lens, device=dev), slots.to(dev))  # (groups, V)
-        src, dst = [], []                                # partial prompt page: each sample gets its own copy
-        for g, P in zip(groups, lens):
-            if P % S:
-                src += [seq_pages[g * G][P // S]] * (G - 1)
-                dst += [seq_pages[g * G + j][P // S] for j in range(1, G)]
-        self.kv.copy_pages(src, dst)
+        partial = [(g, P // S) for g, P in zip(groups, lens) if P % S]  # partial prompt pages: sample 0's to 1..G-1
+        self.kv.copy_pages([seq_pages[g * G][i] for g, i in partial for _ in range(1, G)],
+                           [seq_pages[g * G + j][i] for g, i in partial for j in range(1, G)])
         seq_ids = [g * G + j for g in groups for j in range(G)]
         rows = torch.arange(len(slot_seq), len(slot_seq) + len(seq_ids), device=dev)
         seed = torch.tensor([seeds[s] for s in seq_ids], dtype=torch.int64, device=dev)

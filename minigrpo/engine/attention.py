@@ -82,8 +82,7 @@ def rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> tor
     positions, slots (B,) int32 (slot = page * S + offset, < 0: skip); cos/sin (max_pos, D) fp32 tables."""
     check_rope_store_inputs(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
     # As the model does: fp32 tables cast to the activation dtype, then the rotation in that dtype.
-    c = cos[positions][:, None, :].to(q.dtype)                                  # (B, 1, D)
-    s = sin[positions][:, None, :].to(q.dtype)                                  # (B, 1, D)
+    c, s = (t[positions][:, None, :].to(q.dtype) for t in (cos, sin))          # (B, 1, D) each
     _store_rows(k_pool, slots, apply_rope(k, c, s))
     _store_rows(v_pool, slots, v)
     return apply_rope(q, c, s)                                                  # (B, Hq, D)

@@ -71,8 +71,7 @@ class KVCache:
         assert len(src) == len(dst) and not set(src) & set(dst), "copy_pages: src and dst must pair up, disjoint"
         if not src:
             return
-        s = torch.tensor(src, dtype=torch.long).to(self.k[0].device, non_blocking=True)
-        d = torch.tensor(dst, dtype=torch.long).to(self.k[0].device, non_blocking=True)
+        s, d = (torch.tensor(x, dtype=torch.long).to(self.k[0].device, non_blocking=True) for x in (src, dst))
         for pool in self.k + self.v:
             pool.index_copy_(0, d, pool.index_select(0, s))
 

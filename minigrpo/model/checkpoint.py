@@ -51,7 +51,6 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def _read_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of a model directory, read onto `device` and cast to `dtype` one tensor at a time."""
     device = str(torch.device(device))
     state = {}
     for path in _weight_files(model_dir):
@@ -85,9 +84,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{model_dir}: weights do not match config.json: "
-                         f"missing {len(missing)} tensor(s) {missing[:20]}, "
-                         f"unexpected {len(unexpected)} tensor(s) {unexpected[:20]}")
+        raise ValueError(f"{model_dir}: weights do not match config.json: missing {len(missing)} tensor(s) "
+                         f"{missing[:20]}, unexpected {len(unexpected)} tensor(s) {unexpected[:20]}")
     bad = [f"{k}: expected {tuple(expected[k])}, found {tuple(v.shape)}"
            for k, v in state.items() if v.shape != expected[k]]
     if bad:

@@ -87,7 +87,6 @@ _REQUIRED = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 
 
 def _check_supported(d: dict, source: Path) -> None:
-    """Reject settings that would change the computation but that this implementation does not implement."""
     model_type = d.get("model_type")
     if model_type != "qwen2":
         raise ValueError(f"{source}: model_type {model_type!r} is not supported; minigrpo implements "

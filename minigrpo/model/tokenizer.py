@@ -120,7 +120,6 @@ class Tokenizer:
 
 
 def _check_added_tokens_agree(bpe: _BPE, config: Mapping[str, Any], path: Path) -> None:
-    """tokenizer_config.json and tokenizer.json must map special tokens to the same ids (same model's files)."""
     for str_id, entry in config.get("added_tokens_decoder", {}).items():
         content = entry.get("content") if isinstance(entry, Mapping) else entry
         if bpe.token_to_id(content) != int(str_id):

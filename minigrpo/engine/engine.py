@@ -65,11 +65,10 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], samples_per_prompt: int, max_new_tokens: int,
                  params: SamplingParams, stop_ids=(), seeds: list[int] | None = None) -> Rollout:
-        G, cfg = samples_per_prompt, self.cfg
+        G, cfg, st = samples_per_prompt, self.cfg, self.state
         N = len(prompts) * G
         self._check_request(prompts, G, max_new_tokens, stop_ids, seeds)
         seeds = list(seeds) if seeds is not None else list(range(N))
-        st = self.state
         # A stop id or token sequence per row, right-aligned (decode.ends_with_stop): one copy to the device.
         rows = [(s,) if isinstance(s, int) else tuple(s) for s in stop_ids]
         st.stops.copy_(torch.tensor([(ANY_TOKEN,) * (STOP_LEN - len(s)) + s for s in rows]

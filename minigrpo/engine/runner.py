@@ -108,8 +108,7 @@ class StepRunner:
 
     def run(self, B: int, params: SamplingParams, n_steps: int) -> None:
         key = (B, params)
-        # One compiled variant per (bucket, sampling params); make room for all of them rather than let
-        # torch.compile's default recompile limit turn the step silently eager.
+        # Raised: one compiled variant per (bucket, params); past the default limit the step would silently run eager.
         with torch._dynamo.config.patch(recompile_limit=4 * len(self.cfg.bucket_sizes()) + 8):
             if key not in self._prepared:
                 step = self.step(B, params)

@@ -129,7 +129,6 @@ def _check_added_tokens_agree(bpe: _BPE, config: Mapping[str, Any], path: Path) 
 
 
 def _validate_messages(messages: Any) -> None:
-    """Reject what the plain-Python template does not cover: tools, other roles, content that is not text."""
     if isinstance(messages, (Mapping, str)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
                          f"got {messages!r}")

@@ -55,8 +55,7 @@ PREFILL_ALIGN = 32  # captured prefills: prompt length rounded up to this, group
 
 
 def pad_prefill(ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, rows: int, T: int, scratch: int):
-    """Pad prefill inputs to (rows, T): extra columns and rows are pad tokens (id 0) stored at the scratch
-    slot; extra rows have length 1. Right padding leaves the real rows' results unchanged (causal)."""
+    """Pad to (rows, T): extra rows and columns are pad tokens (id 0) at the scratch slot; extra rows have length 1."""
     n, t = ids.shape                                                                # (n, t) -> (rows, T)
     pad = (0, T - t, 0, rows - n)
     return F.pad(ids, pad), F.pad(lens, (0, rows - n), value=1), F.pad(slots, pad, value=scratch)

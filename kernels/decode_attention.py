@@ -7,7 +7,6 @@ Decode attention is pure memory traffic, so the design reads the cache once, str
   so each K/V tile is read once per group.
 * Split-K over the sequence fills the GPU when batch * kv_heads cannot: each split runs an online softmax
   (fp32, log2 domain) and writes a normalised partial output and its log-sum-exp; a second kernel merges them.
-* seq_len 0 (padded CUDA-graph slots) gives an all-zero output and touches no page.
 
 Registered through `torch.library.triton_op`, so torch.compile(fullgraph=True) traces it with no graph break.
 

@@ -63,9 +63,8 @@ class Tokenizer:
         _check_added_tokens_agree(bpe, config, path)
         template = config.get("chat_template")
         if isinstance(template, str) and hashlib.sha256(template.encode()).hexdigest() != _QWEN25_TEMPLATE_SHA256:
-            warnings.warn(f"{path / 'tokenizer_config.json'} has a chat template different from Qwen2.5's; "
-                          "render_chat/encode_chat still produce Qwen2.5-formatted prompts, which this model may "
-                          "not expect", stacklevel=2)
+            warnings.warn(f"{path / 'tokenizer_config.json'} has a chat template different from Qwen2.5's; render_chat "
+                          "still produces Qwen2.5 prompts, which this model may not expect", stacklevel=2)
         gen_path = path / "generation_config.json"
         gen = _read_json(gen_path) if gen_path.is_file() else {}
 
@@ -80,9 +79,8 @@ class Tokenizer:
         stop = [eos_id, id_of(IM_END), id_of(ENDOFTEXT)] if stop is None else stop
         stop_ids = list(dict.fromkeys(i for i in ([stop] if isinstance(stop, int) else stop) if i is not None))
         if not stop_ids:
-            raise ValueError(f"no stop token found in {path}: tokenizer_config.json has no eos_token, there is no "
-                             f"generation_config.json eos_token_id, and neither {IM_END} nor {ENDOFTEXT} is in "
-                             "the vocabulary")
+            raise ValueError(f"no stop token in {path}: no eos_token in tokenizer_config.json, no eos_token_id in "
+                             f"generation_config.json, and neither {IM_END} nor {ENDOFTEXT} in the vocabulary")
         eos_id = stop_ids[0] if eos_id is None else eos_id
         # Pad only fills positions that are masked out, so any valid id works; prefer the declared one.
         pad_id = next((i for i in (id_of(config.get("pad_token")), gen.get("pad_token_id")) if i is not None), eos_id)
@@ -124,8 +122,7 @@ def _check_added_tokens_agree(bpe: _BPE, config: Mapping[str, Any], path: Path) 
         content = entry.get("content") if isinstance(entry, Mapping) else entry
         if bpe.token_to_id(content) != int(str_id):
             raise ValueError(f"{path}: tokenizer_config.json maps {content!r} to id {str_id} but tokenizer.json maps "
-                             f"it to {bpe.token_to_id(content)}; the two files come from different models. "
-                             f"{_DOWNLOAD_HINT}")
+                             f"it to {bpe.token_to_id(content)}; the files are from different models. {_DOWNLOAD_HINT}")
 
 
 def _validate_messages(messages: Any) -> None:

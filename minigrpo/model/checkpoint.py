@@ -89,8 +89,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
     bad = [f"{k}: expected {tuple(expected[k])}, found {tuple(v.shape)}"
            for k, v in state.items() if v.shape != expected[k]]
     if bad:
-        raise ValueError(f"{model_dir}: shape mismatch with config.json for {len(bad)} tensor(s): "
-                         + "; ".join(bad[:20]))
+        raise ValueError(f"{model_dir}: shape mismatch with config.json, {len(bad)} tensor(s): {'; '.join(bad[:20])}")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter; share it again
     return model

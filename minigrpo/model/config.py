@@ -96,8 +96,7 @@ def _check_supported(d: dict, source: Path) -> None:
                          f"is not implemented); set it to false or use a model without it")
     rope_scaling = d.get("rope_scaling")
     if rope_scaling not in (None, {}) and (rope_scaling.get("rope_type", rope_scaling.get("type")) != "default"):
-        raise ValueError(f"{source}: rope_scaling {rope_scaling!r} is not supported; only plain RoPE "
-                         f"(rope_scaling null) is implemented")
+        raise ValueError(f"{source}: rope_scaling {rope_scaling!r} is not supported; only null (plain RoPE) is")
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{source}: hidden_act {act!r} is not supported; Qwen2 uses 'silu' (SwiGLU)")

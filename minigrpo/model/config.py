@@ -89,11 +89,9 @@ _REQUIRED = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 def _check_supported(d: dict, source: Path) -> None:
     model_type = d.get("model_type")
     if model_type != "qwen2":
-        raise ValueError(f"{source}: model_type {model_type!r} is not supported; minigrpo implements "
-                         f"the Qwen2/Qwen2.5 architecture (model_type 'qwen2') only")
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported; only 'qwen2' (Qwen2, Qwen2.5) is")
     if d.get("use_sliding_window", False):
-        raise ValueError(f"{source}: use_sliding_window=true is not supported (sliding-window attention "
-                         f"is not implemented); set it to false or use a model without it")
+        raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false, or use another model")
     rope_scaling = d.get("rope_scaling")
     if rope_scaling not in (None, {}) and (rope_scaling.get("rope_type", rope_scaling.get("type")) != "default"):
         raise ValueError(f"{source}: rope_scaling {rope_scaling!r} is not supported; only null (plain RoPE) is")

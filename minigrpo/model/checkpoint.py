@@ -61,8 +61,7 @@ def _read_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.de
                         raise ValueError(f"tensor {key!r} appears in more than one file (again in {path})")
                     state[key] = f.get_tensor(key).to(dtype)
         except SafetensorError as e:
-            raise ValueError(f"{path} is truncated or corrupt and cannot be read ({e}); "
-                             f"delete it and download again") from None
+            raise ValueError(f"{path} is truncated or corrupt ({e}); delete it and download again") from None
     return state
 
 

@@ -127,8 +127,7 @@ def _check_added_tokens_agree(bpe: _BPE, config: Mapping[str, Any], path: Path) 
 
 def _validate_messages(messages: Any) -> None:
     if isinstance(messages, (Mapping, str)) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
-                         f"got {messages!r}")
+        raise ValueError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}}, got {messages!r}")
     for i, m in enumerate(messages):
         if (not isinstance(m, Mapping) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str)
                 or m.get("tool_calls")):

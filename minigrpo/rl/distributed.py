@@ -93,9 +93,8 @@ def init_from_env(device: str) -> tuple[Dist, str]:
 
 
 def shutdown(dist: Dist, together: bool = False) -> None:
-    """Leave the process group. together=True (every rank finished cleanly) first waits for all ranks, so that
-    none tears down while a peer is finishing (a gloo rank once aborted at exit); after an error a barrier
-    could wait forever on a rank that is gone."""
+    """Leave the process group. together=True (all ranks finished cleanly) first waits for every rank, so none
+    tears down under a finishing peer (a gloo rank once aborted at exit); after an error a barrier could hang."""
     if dist.world > 1 and tdist.is_initialized():
         if together:
             tdist.barrier()
@@ -147,11 +146,11 @@ class GradSync:
     significant bits of the running sum, losing a micro-batch small against it. From the second micro-batch
     on, the first one's gradient moves into an fp32 sum and a hook moves each later one there as it lands; the
     last backward adds to that sum rounded to bf16. So the gradient is the exact sum up to two bf16 roundings.
-    Two micro-batches need no fp32 sum: one bf16 addition rounds their exact sum once.
-    """
+    Two micro-batches need no fp32 sum: one bf16 addition rounds their exact sum once."""
 
     def __init__(self, model: torch.nn.Module, fn, dist: Dist, parallel: str = "ddp"):
         self.dist, self.sharded = dist, parallel == "fsdp" and dist.world > 1
+        self.loss_scale = float(dist.world)  # W: DDP and FSDP average gradients over ranks, the loss sums rows
         self._bf16_weights = next(model.parameters()).dtype == torch.bfloat16
         module = _Forward(model, fn)
         if self.sharded:  # replaces the parameters by their shards (DTensors): build the optimizer after this
@@ -193,8 +192,3 @@ class GradSync:
 
     def __call__(self, batch, *args):
         return self.module(batch, *args)
-
-    @property
-    def loss_scale(self) -> float:
-        """W: DDP and FSDP average gradients over ranks; the Dr. GRPO loss is a sum over the minibatch's rows."""
-        return float(self.dist.world)

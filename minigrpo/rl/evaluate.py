@@ -3,8 +3,7 @@
 Greedy decoding (the default) makes the number a property of the weights alone, which is what a before/after
 comparison needs. With k samples the report is mean@k (the accuracy over all k x n completions) and pass@j for
 j = 1, 2, 4, ..., k, by the unbiased estimator of Chen et al. (2021). Each completion's seed is a function of
-(seed, example, sample), so the numbers do not depend on the batch size or the number of ranks. The trainer
-evaluates with its own rollout backend: the same engine and weights as the rollouts.
+(seed, example, sample), so the numbers do not depend on the batch size or the number of ranks.
 """
 
 from __future__ import annotations
@@ -35,11 +34,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(backend, task, *, max_new_tokens: int, batch_size: int = 128, limit: int | None = None,
              samples: int = 1, temperature: float = 0.0, seed: int = 0, dist: Dist = Dist(),
              progress: bool = True) -> dict:
-    """Accuracy over the first `limit` examples of `task` (all when None), `samples` completions each.
-
-    Rank r of W evaluates examples r, r+W, ...; the records are gathered on every rank. Returns accuracy
-    (= mean@k), pass@j (k > 1), reward_mean, completion_len_mean, truncated_frac, n, seconds,
-    examples_per_s and `records` (one dict per example, its completions' ids, rewards and verdicts)."""
+    """Accuracy over the first `limit` examples of `task` (all when None), `samples` completions each: summarize's
+    metrics, n, seconds, examples_per_s and `records` (one dict per example: its completions' ids, rewards and
+    verdicts). Rank r of W evaluates examples r, r+W, ...; the records are gathered on every rank."""
     n = len(task) if limit is None else min(limit, len(task))
     if n < 1:
         raise ValueError(f"nothing to evaluate: the task has {len(task)} examples and limit is {limit}")

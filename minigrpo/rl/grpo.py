@@ -10,10 +10,8 @@ Dr. GRPO removes both: A = r - mean_group(r), and the loss is a token *sum* divi
 (number of sequences x max_new_tokens), so every token gets the same weight no matter the length.
 Everything here is batched torch with no host syncs, so it does not stall a CUDA stream.
 
-Shape legend:
-  B  prompts in the batch        G  samples per prompt (group size)
-  N  = B * G sequences, group-major: the G samples of prompt b are rows [b*G, (b+1)*G)
-  C  completion length (padded), C <= max_new_tokens
+Shape legend: B prompts, G samples per prompt (group size), N = B*G sequences, group-major (the G samples
+of prompt b are rows [b*G, (b+1)*G)), C completion length (padded, <= max_new_tokens).
 """
 
 from __future__ import annotations
@@ -58,8 +56,7 @@ def dr_grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, 
 
     logp, old_logp, ref_logp: (N, C) fp32 log-probs of the sampled tokens under the current policy (with
       grad), the policy that sampled them, and the frozen reference. adv: (N,). mask: (N, C).
-    eps_low / eps_high: clip range [1 - eps_low, 1 + eps_high]; eps_high defaults to eps_low (DAPO's
-      "clip-higher" sets it higher).
+    eps_low / eps_high: clip range [1 - eps_low, 1 + eps_high]; eps_high None = eps_low (DAPO's clip-higher).
     beta: weight of the per-token k3 KL exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0); 0: none.
     max_new_tokens L: the loss is sum(token losses * mask) / (num_sequences * L). num_sequences: default N;
       a call that sees part of the batch (a micro-batch, or rows dropped by nonzero_groups) passes the full
@@ -67,16 +64,14 @@ def dr_grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, 
     is_weight: (N, C) weight of each token's policy-gradient term, not of the KL (truncated_is_weights).
 
     Returns (loss, stats), stats 0-d detached tensors: clip_frac (masked tokens where the clip is active on
-    the side the sign of A makes binding: zero gradient), kl (mean k3 KL when ref_logp is given, else 0).
-    """
+    the side the sign of A makes binding: zero gradient), kl (mean k3 KL when ref_logp is given, else 0)."""
     N, C = logp.shape
     for name, t in (("logp", logp), ("old_logp", old_logp), ("ref_logp", ref_logp), ("is_weight", is_weight)):
         if t is not None and (t.shape != (N, C) or t.dtype != torch.float32):
             raise ValueError(f"{name} must be fp32 of shape {(N, C)}, got {t.dtype} {tuple(t.shape)}")
-    if adv.shape != (N,):
-        raise ValueError(f"adv must have shape {(N,)}, got {tuple(adv.shape)}")
-    if mask.shape != (N, C):
-        raise ValueError(f"mask must have shape {(N, C)}, got {tuple(mask.shape)}")
+    for name, t, shape in (("adv", adv, (N,)), ("mask", mask, (N, C))):
+        if t.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
     if max_new_tokens < C:
         raise ValueError(f"max_new_tokens={max_new_tokens} is smaller than the completion length C={C}")
     eps_high = eps_low if eps_high is None else eps_high

@@ -15,8 +15,7 @@ Each block's softmax arithmetic is a small function that torch.compile fuses int
 reads the matmul's bf16 output once; eager, those ops move each block through memory five or six times.
 The matmuls stay cuBLAS, in the input dtype (bf16 on GPU); softmax and gradient sums are fp32.
 
-Shape legend:
-  N  sequences   T  positions   D  model width   V  vocabulary   M = N*T flattened tokens
+Shape legend: N sequences, T positions, D model width, V vocabulary, M = N*T flattened tokens.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ def _chunk_stats(raw: torch.Tensor, targets: torch.Tensor, temperature: float, w
 
 def _chunk_grad(raw: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, targets: torch.Tensor, temperature: float):
     """d (g . logp) / d raw for one block, in raw's dtype: (onehot(target) - softmax) x g / temperature.
-
     raw (m, v) holds the block's vocabulary columns; targets are offset into them (out of range: no one-hot)."""
     p = torch.exp(raw.to(lse.dtype) / temperature - lse[:, None])                     # (m, v) softmax
     onehot = torch.arange(raw.shape[1], device=raw.device) == targets[:, None]      # (m, v)
@@ -121,8 +119,7 @@ def token_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: 
     entropy (N, T), a metric without gradient. Values and gradients (w.r.t. hidden and the weight) equal the
     naive computation's up to fp32 rounding; chunk_size 0 is that naive computation, the benchmarks' baseline.
     Inputs are checked by torch's own ops (matmul: shapes, dtypes, devices); targets are not range-checked
-    (a host sync): out-of-range ids fail inside gather.
-    """
+    (a host sync): out-of-range ids fail inside gather."""
     N, T, D = hidden.shape
     if chunk_size == 0:
         logp_all = torch.log_softmax((hidden @ lm_head_weight.T).to(_acc_dtype(hidden.dtype)) / temperature, -1)

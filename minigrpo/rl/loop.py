@@ -24,7 +24,7 @@ def run(trainer: Trainer) -> list[dict]:
     history = []
     bar = tqdm(total=cfg.steps, initial=t.step_idx, desc="train", unit="step", disable=None if main else True)
     try:
-        with StopSignals() as signals:
+        with bar, StopSignals() as signals:
             if evaluating and t.step_idx == 0:
                 record = {"step": 0, **_evaluate(t, logger)}
                 if main:
@@ -52,7 +52,6 @@ def run(trainer: Trainer) -> list[dict]:
                 bar.set_postfix(reward=f"{m['reward_mean']:.3f}")
                 bar.update()
     finally:
-        bar.close()
         if logger is not None:
             logger.close()
     return history

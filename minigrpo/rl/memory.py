@@ -12,14 +12,12 @@ resident (held from the first step on):
   reference         the KL anchor (beta > 0): a copy of the policy
   weight_casts      fp32 weights on CUDA: autocast's bf16 copy of every matmul weight, kept for the backward
   engine_copy       the engine's own bf16 weights and RoPE tables (none when it shares the policy's)
-  kv_pool           the engine's KV pages: this rank's rollout at full length, or kv_memory_fraction of the
-                    memory free at its construction, if less
+  kv_pool           the engine's KV pages: this rank's full rollout, or kv_memory_fraction of free memory if less
   engine_workspace  the decode step's logits and sampler buffers, and a prefill of this rank's prompts
 update (one micro-batch's forward and backward, the optimizer step's gradients):
   gradients         P x 4 (fp32); bf16: P x 2, or P x 4 while 3+ micro-batches are summed in fp32 (GradSync)
   ddp_buckets       with W > 1, DDP's flat gradient buckets: another P x gradient size
-  activations       what the decoder layers keep for the backward (_layer_bytes); with activation
-                    checkpointing, each layer's input plus one layer recomputed
+  activations       saved for the backward (_layer_bytes); checkpointed: each layer's input + one layer recomputed
   lm_head           the log-probs' logits block and temporaries, the hidden states and their gradient, and
                     the head's weight gradient, whole before it is added to the weight's .grad
   optimizer_step    bf16 weights: StochasticAdamW's piece of concatenated small parameters (w, g, m, v; optim.py),

@@ -9,8 +9,7 @@ needs no attention mask and no position bookkeeping (positions 0..T-1 in every r
 causal path. Completion token j of row i (column P_i + j) is scored by hidden[i, P_i - 1 + j] (`scored`);
 only real completion tokens go through the LM head.
 
-Shape legend: n rows, T columns, C completion length (padded, max over rows), D hidden size, M completion
-tokens (all rows).
+Shape legend: n rows, T columns, C completion length (padded, max over rows), D hidden size, M completion tokens.
 """
 
 from __future__ import annotations
@@ -45,10 +44,9 @@ class SequenceBatch:
 
     @classmethod
     def build(cls, prompts: list[list[int]], completions: list[list[int]], *, pad_id: int, device) -> SequenceBatch:
-        """Rows of prompt i + completion i. Every completion is already cut after its first stop (Stops.cut), so
-        the loss mask is its length: the stop token trains (the policy learns to emit it), nothing after it
-        exists. Every prompt holds a token (the rollout backends check it): its last one scores the first
-        completion token."""
+        """Rows of prompt i + completion i. Each completion ends at its first stop (Stops.cut), so the loss mask
+        is its length: the stop token trains (the policy learns to emit it). Every prompt holds a token (the
+        rollout backends check it): its last one scores the first completion token."""
         lens = [len(c) for c in completions]
         T = max(len(p) + max(1, len(c)) for p, c in zip(prompts, completions))
         ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)

@@ -1,6 +1,5 @@
-"""The numbers each training step reports, computed over all ranks: rollout statistics, the update's loss
-and clipping, the rollout/trainer mismatch, and time and memory. metrics.py lists the keys; this module
-computes them, so that the step in trainer.py reads as the algorithm.
+"""The numbers each training step reports (metrics.py lists them), computed over all ranks; here, so that the
+step in trainer.py reads as the algorithm.
 
 Shape legend: R rows of this rank, N = R*W rows of all W ranks, n trained rows of this rank, C completion length.
 """

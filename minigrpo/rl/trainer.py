@@ -10,9 +10,8 @@
                the gradient is the full minibatch's. Each token is weighted by min(pi_old / pi_rollout, tis_cap)
                (grpo.py): the engine samples from its own bf16 distribution, not exactly from pi_old
   6. sync      the backend's weights are refreshed from the policy (nothing to do when they share memory)
-The LR is a function of the step number; every random number derives from (seed, step, ...) (data.py).
-Under torchrun each rank rolls out its block of the prompts and the update runs through DDP or FSDP; the math
-is the single-process step's (distributed.py).
+The LR is a function of the step number; every random number derives from (seed, step, ...) (data.py). Under
+torchrun each rank rolls out its block of the prompts; DDP or FSDP keep the single-process math (distributed.py).
 
 Shape legend: B prompts per step, G samples per prompt, N = B*G rows, R = N/W rows of each of W ranks,
 n kept rows (of this rank), C completion length.
@@ -80,7 +79,7 @@ class Trainer:
             raise ValueError(f"weights={cfg.weights!r} needs the policy in {want}, found {bad}; load it with "
                              f"dtype={want}")
         self.cfg, self.model, self.tokenizer, self.task, self.backend = cfg, model, tokenizer, task, backend
-        self.eval_task, self.tokenizer_dir = eval_task, tokenizer_dir
+        self.eval_task, self.tokenizer_dir, self.dist = eval_task, tokenizer_dir, dist
         self.out_dir, self.tensorboard, self.echo = Path(out_dir), tensorboard, echo
         self.device = next(model.parameters()).device
         self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.weights == "fp32" else None
@@ -96,7 +95,6 @@ class Trainer:
                     layer.compile()
             _fail_past_recompile_limit()
         self.sampler = EpochSampler(len(task), cfg.seed)  # the global prompt order, the same on every rank
-        self.dist = dist
         dist.shard(range(cfg.prompts_per_step), "prompts per step (-B)")  # fails now, not at step 1
         self.policy = GradSync(model, self._logprobs, dist, cfg.parallel)  # the training forward (DDP / FSDP)
         self.ref_forward = (frozen_forward(self.ref, self._logprobs, dist, cfg.parallel)  # scores the KL anchor

@@ -34,9 +34,8 @@ LATEST = "latest"
 
 def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *, weights: dict | None = None,
                     tokenizer_dir: str | Path | None = None, keep: int = 0) -> Path:
-    """Write checkpoint `step_{step:06d}` under ckpt_root atomically, point `latest` at it, and keep the newest
-    `keep` up to this step (0 = all). A step `latest` already names is not written twice. weights: the full
-    state dict, when `model` holds only shards of it (FSDP)."""
+    """Write checkpoint `step_{step:06d}` atomically, point `latest` at it, keep the newest `keep` up to it (0: all);
+    a step `latest` names is not written twice. weights: the full state dict when `model` is sharded (FSDP)."""
     ckpt_root = Path(ckpt_root)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"

@@ -55,9 +55,7 @@ def format_line(record: dict) -> str:
     parts = [f"step {record['step']}"]
     if record.get("skipped_update"):
         parts.append("(no update: every group had zero advantage)")
-    for key, label, fmt, _ in _LINE:
-        if record.get(key) is not None:
-            parts.append(f"{label} {fmt.format(record[key])}")
+    parts += [f"{label} {fmt.format(record[key])}" for key, label, fmt, _ in _LINE if record.get(key) is not None]
     return " | ".join(parts)
 
 
@@ -70,11 +68,6 @@ def _truncate_after(path: Path, step: int) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(ln + "\n" for ln in kept))
     os.replace(tmp, path)
-
-
-def _append(path: Path, rows: list[dict]) -> None:
-    with path.open("a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 class MetricsLogger:
@@ -100,7 +93,7 @@ class MetricsLogger:
 
     def log(self, record: dict) -> None:
         """Write one step's record (a flat dict of numbers with a 'step' key) everywhere."""
-        _append(self.paths["metrics"], [record])
+        self.log_rows("metrics", record["step"], [record])
         if self.echo:
             tqdm.write(format_line(record))  # plays well with an active progress bar
         if self._tb is not None:
@@ -110,8 +103,9 @@ class MetricsLogger:
             self._tb.flush()
 
     def log_rows(self, name: str, step: int, rows: list[dict]) -> None:
-        """Append `step`'s rows to `name`.jsonl ("samples" or "eval")."""
-        _append(self.paths[name], [{"step": step, **r} for r in rows])
+        """Append `step`'s rows to `name`.jsonl ("metrics", "samples" or "eval")."""
+        with self.paths[name].open("a") as f:
+            f.writelines(json.dumps({"step": step, **r}) + "\n" for r in rows)
 
     def close(self) -> None:
         if self._tb is not None:
@@ -143,8 +137,7 @@ compile_seconds = _CompileClock().read
 
 
 class PhaseTimer:
-    """Wall time per phase, synchronising CUDA so that a phase is charged for its own kernels; `compiling`: the
-    seconds of it spent compiling."""
+    """Wall time per phase (CUDA synchronised: each is charged for its own kernels) and seconds spent compiling."""
 
     def __init__(self, device: torch.device, phases: tuple[str, ...]):
         self.device, self.times = device, dict.fromkeys(phases, 0.0)  # phases not reached stay at 0

@@ -38,8 +38,7 @@ def check_out(out: Path, *, resume: str | None, overwrite: bool) -> None:
 
 
 def move_aside(out: Path) -> Path | None:
-    """Rename a run folder to `<out>.old-<time>` (never deleting it); returns the new name, or None when
-    `out` holds no run."""
+    """Rename a run folder to `<out>.old-<time>`, never deleting it; None when `out` holds no run."""
     if not run_files(out):
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")

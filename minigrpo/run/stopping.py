@@ -44,7 +44,6 @@ def nonfinite(model: torch.nn.Module, record: dict | None = None) -> str | None:
 
 class StopSignals:
     """Within `with StopSignals() as s:`, the first SIGINT / SIGTERM only sets `s.received` (its number).
-
     Handlers can be installed only from the main thread; elsewhere signals keep their usual effect."""
 
     def __init__(self):

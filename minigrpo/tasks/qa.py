@@ -2,8 +2,7 @@
 
 A source names a record's two fields and where its final answer is in the answer field:
     gsm8k  "question", "answer": a worked solution ending "#### <number>"
-    math   "problem", "solution": the final answer in its last \\boxed{}. Hub: train
-           DigitalLearningGmbH/MATH-lighteval, test HuggingFaceH4/MATH-500 (the Dr. GRPO paper's test set)
+    math   "problem", "solution": the final answer in its last \\boxed{} (test: MATH-500, the Dr. GRPO paper's)
     jsonl  your file: --question-field / --answer-field; the answer field is the final answer itself
 Every record is checked at load time; a bad one is reported with its file and line. Hub parquet files
 need pyarrow (`minigrpo[hub-data]`).
@@ -92,8 +91,7 @@ def _make_example(record: dict, fields: tuple[str, str], final: str, numeric: bo
 
 def load_jsonl(path: str | Path, fields: tuple[str, str] = ("question", "answer"), final: str = "####",
                numeric: bool = True) -> list[Example]:
-    """Read a jsonl file of `fields` (question, answer) records. Blank lines are skipped; anything else
-    malformed raises, naming the file and line."""
+    """Read a jsonl file of `fields` (question, answer) records, skipping blank lines."""
     path = Path(path)
     examples = []
     with path.open("rb") as f:  # bytes: a line that is not UTF-8 is reported with its line number

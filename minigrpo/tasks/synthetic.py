@@ -9,13 +9,11 @@ tends to repeat its last input token; fetching position 0 has to be learned by a
 "407<eos>". Several tokens, so the engine's decode loop, KV cache and multi-step sampling all shape what
 is learned. Reward: the fraction of positions right (over the longer of answer and completion), 1.0 only
 for the exact answer; with 3 digits the digits alone score 0.75, so passing 0.8 takes the stop too.
-
-`CharTokenizer` duck-types what the trainer uses of `minigrpo.model.tokenizer.Tokenizer`.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -24,16 +22,15 @@ from minigrpo.model.config import ModelConfig
 from minigrpo.model.qwen2 import Qwen2ForCausalLM, init_weights
 from minigrpo.tasks.templates import Stops
 
-EOS, PAD = "<eos>", "<pad>"
-
 
 class CharTokenizer:
-    """One token per character of "0123456789=", plus <eos> (the stop token) and <pad>."""
+    """One token per character of "0123456789=", then <eos> (the stop token) and <pad>; duck-types what the
+    trainer uses of `minigrpo.model.tokenizer.Tokenizer`."""
 
     def __init__(self):
-        self.tokens = list("0123456789=") + [EOS, PAD]
+        self.tokens = list("0123456789=") + ["<eos>", "<pad>"]
         self._ids = {t: i for i, t in enumerate(self.tokens)}
-        self.eos_id, self.pad_id = self._ids[EOS], self._ids[PAD]
+        self.eos_id, self.pad_id = self._ids["<eos>"], self._ids["<pad>"]
         self.stop_ids = (self.eos_id,)
         self.vocab_size = len(self.tokens)
 
@@ -41,7 +38,6 @@ class CharTokenizer:
         return [self._ids[c] for c in text]  # KeyError for a character outside the vocabulary
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        ids = ids.tolist() if hasattr(ids, "tolist") else ids
         special = {self.eos_id, self.pad_id}
         return "".join(self.tokens[i] for i in ids if not (skip_special_tokens and i in special))
 
@@ -61,12 +57,11 @@ class FirstDigitTask:
         return self.tokenizer.encode(self.digits[i] + "=")
 
     def score(self, i: int, completion_ids: Sequence[int]) -> tuple[float, bool]:
-        target = self.tokenizer.encode(self.digits[i][0])[0]
+        target = self.tokenizer.encode(self.digits[i][0])
         completion = list(completion_ids)
-        if completion[:1] != [target]:
-            return 0.0, False
-        exact = completion == [target, self.tokenizer.eos_id]
-        return (1.0, True) if exact else (0.5, False)
+        if completion == target + [self.tokenizer.eos_id]:
+            return 1.0, True
+        return (0.5 if completion[:1] == target else 0.0), False
 
     def describe(self, i: int) -> dict:
         return {"question": self.digits[i] + "=", "ground_truth": self.digits[i][0]}
@@ -84,15 +79,12 @@ class CopyTask(FirstDigitTask):
         return {"question": self.digits[i] + "=", "ground_truth": self.digits[i]}
 
 
-def tiny_config(vocab_size: int) -> ModelConfig:
-    """2 layers, width 64, untied embeddings: a few hundred thousand parameters."""
-    return ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0,
-                       max_position_embeddings=64, tie_word_embeddings=False)
-
-
 def tiny_policy(vocab_size: int, seed: int, device: str | torch.device = "cpu") -> Qwen2ForCausalLM:
-    """A randomly initialised fp32 policy for the synthetic task, reproducible from `seed`."""
-    model = Qwen2ForCausalLM(tiny_config(vocab_size))
+    """A randomly initialised fp32 policy for the synthetic task, reproducible from `seed`: 2 layers, width 64,
+    untied embeddings (76k parameters with CharTokenizer's 13 tokens)."""
+    config = ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
     init_weights(model, torch.Generator().manual_seed(seed), std=0.02)
     return model.to(device)

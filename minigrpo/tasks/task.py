@@ -6,7 +6,8 @@ the synthetic tasks (`minigrpo.tasks.synthetic`) are interchangeable.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from minigrpo.tasks.qa import SOURCES, Example, load_examples
 from minigrpo.tasks.templates import TEMPLATES, Stops, Template
@@ -58,8 +59,7 @@ class QATask:
 
 def load_task(task: str, split: str, tokenizer, *, path=None, template: str = "chat", reward_mode: str | None = None,
               question_field: str | None = None, answer_field: str | None = None) -> QATask:
-    """`split` of `task` (gsm8k, math, jsonl: qa.SOURCES) under `template`, scored by `reward_mode` (default:
-    the task's own), from the local jsonl `path` or else the Hub: what --task and its flags ask for."""
+    """The QATask --task and its flags ask for: from the jsonl `path`, else the Hub; `reward_mode` None: its own."""
     reward_mode = reward_mode or SOURCES[task].reward
     examples = load_examples(task, split, path, question_field=question_field, answer_field=answer_field,
                              numeric=reward_mode == "numeric")
@@ -68,9 +68,8 @@ def load_task(task: str, split: str, tokenizer, *, path=None, template: str = "c
 
 def prompt_budget(tasks: Sequence[tuple[Task, int]], max_positions: int, max_new_tokens: int,
                   limit: int | None = None) -> int:
-    """The prompt budget in tokens: `limit` (--max-prompt-tokens), by default the longest prompt used.
-    `tasks` pairs each task with how many of its first examples the run uses. A prompt over the budget
-    is an error now, never truncated or dropped silently."""
+    """The prompt budget in tokens: `limit` (--max-prompt-tokens), else the longest prompt of the first n examples
+    of each (task, n) in `tasks`. A longer prompt is an error, never truncated or dropped silently."""
     room = max_positions - max_new_tokens
     if room < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
@@ -85,8 +84,8 @@ def prompt_budget(tasks: Sequence[tuple[Task, int]], max_positions: int, max_new
         longest, task, i = max(over, key=lambda x: x[0])
         where = task.describe(i).get("source") or f"example {i}"
         what, fix = ((f"--max-prompt-tokens {limit}", "raise --max-prompt-tokens") if limit is not None else
-                     (f"the {room} tokens that the model's {max_positions} positions leave after {max_new_tokens} "
-                      f"new tokens", "lower --max-new-tokens"))
+                     ((f"the {room} tokens that the model's {max_positions} positions leave after {max_new_tokens} "
+                       f"new tokens"), "lower --max-new-tokens"))
         raise ValueError(f"{len(over)} of {len(lengths)} prompts are longer than {what} (longest: {longest} tokens, "
                          f"{where}); remove or shorten them, or {fix}")
     return budget if limit is not None else max(n for n, _, _ in lengths)

@@ -1,15 +1,11 @@
-"""Prompt templates (`--template`), and the stops that end a completion.
-
-A template says how a question becomes prompt ids, which strings end a completion besides the
-tokenizer's stop tokens, and where the answer is read from:
+"""Prompt templates (`--template`), and the stops that end a completion. The templates, whose strings are the
+published ones character for character (tests/test_templates.py):
 
     chat       the Qwen2.5 chat template, one user turn: the question and the Qwen2.5-Math instruction
     r1         DeepSeek-R1-Zero's plain-text template as the Dr. GRPO paper's code (understand-r1-zero)
                uses it: reasoning in <think>, the answer in <answer>, ending at "</answer>"
     qwen-math  the chat template with the Qwen2.5-Math chain-of-thought system prompt, answer in \\boxed{}
     none       the bare question, as plain text
-
-The template strings are the published ones, character for character (tests/test_templates.py).
 
 Stop strings: a string such as "</answer>" tokenises differently by context, so no token id catches it.
 `Stops.cut` finds it in the decoded text on the host and drops the tokens after the one completing it.
@@ -56,9 +52,8 @@ def stop_sequences(tokenizer, string: str, most: int = 12, longest: int = 4) -> 
 
 @dataclass(frozen=True)
 class Stops:
-    """What ends a completion: a stop token id (the backend's decode loop stops on it) or a stop string,
-    found in the decoded text by `cut`. `decode` (token ids -> text) is needed only with strings;
-    `sequences`, the strings' common tokenisations, only make the engine stop early (module doc)."""
+    """What ends a completion: a stop token id, or a stop string found in the decoded text by `cut`, which needs
+    `decode` (token ids -> text). `sequences` only make the engine stop early (module doc)."""
     ids: tuple[int, ...]
     strings: tuple[str, ...] = ()
     decode: Callable[[Sequence[int]], str] | None = None

@@ -3,9 +3,6 @@
 The reward is RL's only signal, so it is boring and robust: it never raises or hangs on any string the
 policy can emit (linear-time regexes, capped inputs); it compares numbers, not strings ("$1,000.00",
 "1000" and "\\boxed{1000 \\text{ dollars}}" agree); an ambiguous answer ("5 or 6") is wrong.
-
-The final answer is the last non-empty \\boxed{...}, else the last "#### N" (GSM8K's format), else the
-last number in the text.
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ import re
 MAX_TEXT_CHARS = 16_384  # only this tail is scanned (the answer is at the end): bounds pathological completions
 MAX_ANSWER_CHARS = 512   # no honest final answer is longer
 REL_TOL = 1e-6           # |pred - truth| <= REL_TOL * max(1, |truth|)
+REWARD_MODES = ("numeric", "exact", "boxed")  # reward()'s modes (--reward)
 
 _BOXED_OR_BRACE = re.compile(r"\\boxed\s*\{|[{}]")
 _HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
@@ -57,7 +55,8 @@ def last_boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The model's final answer as a string (not yet normalised), or None if the text holds none."""
+    """The model's final answer, not yet normalised: the last non-empty \\boxed{...}, else the last "#### N"
+    (GSM8K's format), else the last number; None if the text holds none."""
     text = text[-MAX_TEXT_CHARS:]
     boxed = last_boxed(text)
     if boxed is not None:
@@ -67,16 +66,6 @@ def extract_answer(text: str) -> str | None:
         return hashes[-1]
     numbers = _NUMBER.findall(text)
     return numbers[-1] if numbers else None
-
-
-def _parse_plain(num: str) -> float | None:
-    """float() of one `_NUMBER` match (each part holds a digit, so float() parses it): commas dropped,
-    a/b divided; None if not finite."""
-    values = [float(p.strip().replace(",", "")) for p in num.split("/")]
-    if len(values) == 2 and values[1] == 0:
-        return None
-    value = values[0] / values[1] if len(values) == 2 else values[0]
-    return value if math.isfinite(value) else None
 
 
 def normalize_number(s: str | None) -> float | None:
@@ -91,8 +80,7 @@ def normalize_number(s: str | None) -> float | None:
     s = _TEXT_WRAPPER.sub(r" \1 ", s)
     s = _LATEX_NOISE.sub(" ", s)
     s = s.replace("{,}", ",")  # LaTeX thousands separator 1{,}000
-    # "x = 5": the value is what follows the last "=".
-    s = s.rsplit("=", 1)[-1]
+    s = s.rsplit("=", 1)[-1]  # "x = 5": the value is what follows the last "="
     # Braces and brackets are only grouping once \frac / \text are gone: "(3)/(4)" -> "3/4", "-(3)" -> "-3".
     s = re.sub(r"[{}()\[\]$%]", "", s).strip()
     matches = list(_NUMBER.finditer(s))
@@ -102,7 +90,11 @@ def normalize_number(s: str | None) -> float | None:
     leftover = (s[: m.start()] + " " + s[m.end() :]).strip().rstrip(".")
     if _OPERATOR_LEFTOVER.search(leftover):
         return None
-    return _parse_plain(m.group())
+    num, _, den = m.group().replace(",", "").partition("/")  # each part holds a digit, so float() parses it
+    if den and float(den) == 0:
+        return None
+    value = float(num) / float(den) if den else float(num)
+    return value if math.isfinite(value) else None
 
 
 def is_correct(completion_text: str, ground_truth: str) -> bool:
@@ -131,9 +123,6 @@ def _math_verify_equal(pred: str, truth: str) -> bool:
         return bool(verify(parse(f"${truth}$"), parse(f"${pred}$")))
     except Exception:  # not installed, or a parser error or timeout on a string the policy wrote: not a match
         return False
-
-
-REWARD_MODES = ("numeric", "exact", "boxed")
 
 
 def reward(answer_text: str | None, ground_truth: str, mode: str = "numeric", delimited: bool = False) -> float:

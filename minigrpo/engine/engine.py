@@ -138,7 +138,8 @@ class Engine:
             raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the engine's "
                              f"max_seq_len {self.cfg.max_seq_len}; raise EngineConfig.max_seq_len")
         if len(stop_ids) > MAX_STOPS or any(not isinstance(s, int) and not 0 < len(s) <= STOP_LEN for s in stop_ids):
-            raise ValueError(f"at most {MAX_STOPS} stop ids or token sequences of 1..{STOP_LEN} tokens, got {stop_ids}")
+            raise ValueError(f"at most {MAX_STOPS} stop ids or token sequences of 1 to {STOP_LEN} tokens, got "
+                             f"{stop_ids}")
         if seeds is not None and len(seeds) != len(prompts) * G:
             raise ValueError(f"need one seed per sequence ({len(prompts) * G}), got {len(seeds)}")
         vocab = self.model_cfg.vocab_size

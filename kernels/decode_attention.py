@@ -6,9 +6,7 @@ Decode attention is pure memory traffic, so the design reads the cache once, str
 * One program per (sequence, KV head, split) serves all n_rep query heads of the group with `tl.dot`s,
   so each K/V tile is read once per group.
 * Split-K over the sequence fills the GPU when batch * kv_heads cannot: each split runs an online softmax
-  (fp32, log2 domain) and writes a normalised partial output and its log-sum-exp; a second kernel merges
-  them. The split count depends on static shapes only, never on seq_lens, so one CUDA graph per shape works.
-* seq_len 0 (padded CUDA-graph slots) gives an all-zero output and touches no page.
+  (fp32, log2 domain) and writes a normalised partial output and its log-sum-exp; a second kernel merges them.
 
 Registered through `torch.library.triton_op`, so torch.compile(fullgraph=True) traces it with no graph break.
 
@@ -28,9 +26,7 @@ from torch.library import triton_op, wrap_triton
 BLOCK_N = 64                 # tokens per inner-loop step
 MIN_TOKENS_PER_SPLIT = 128   # a split shorter than this costs more in merge traffic than it gains
 MAX_SPLITS = 32
-# Splits pay (merge kernel, fp32 partials) only while the GPU is underfilled: split until there are
-# 3 programs per SM (`bench/attention.py --sweep`; the measurements are in bench/NOTES.md).
-PROGRAMS_PER_SM = 3
+PROGRAMS_PER_SM = 3          # splits cost a merge and fp32 partials: split only to fill the GPU (bench/NOTES.md)
 LOG2E = 1.4426950408889634
 
 

@@ -7,9 +7,8 @@ The draw is the reference's (`minigrpo.model.sampling`, whose module doc explain
      CDF with the uniform at index M31, and runs Gumbel-max over that chunk alone (the reference's hash
      of (seed, counter, vocabulary index)).
 Same noise as the reference, so both samplers draw the same token, up to float rounding where the target
-lands on a chunk boundary (the masses are summed in another order) or a tie. Each program holds its whole
-chunk in registers; there is no division at temperature 1 (exact anyway). Plain temperature sampling only
-(top-k / top-p need a sort: the reference handles them). Timings: bench/NOTES.md.
+lands on a chunk boundary (the masses are summed in another order) or a tie. Plain temperature sampling
+only (top-k / top-p need a sort: the reference handles them).
 
 Shape legend: B rows, V vocabulary, NC = ceil(V / chunk) chunks per row.
 """
@@ -45,7 +44,7 @@ def _uniform(key, idx):
 
 @triton.jit
 def _load_x(row, idx, V, temperature, UNIT_T: tl.constexpr):
-    # x = logits / T in fp32 at indices idx, -inf past V.
+    # x = logits / T in fp32 at indices idx, -inf past V; at T = 1 no division (x / 1 is exact anyway).
     x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
     if not UNIT_T:
         # Division, not a reciprocal: the reference's rounding. .to: torch.compile may pass T as fp64.

@@ -1,7 +1,4 @@
-"""Decode-step attention over the paged KV cache, behind one interface with three interchangeable backends.
-
-    decode_attention(backend, q, k_pool, v_pool, block_table, seq_lens, scale, num_splits=0) -> (B, Hq, D)
-    rope_store(backend, q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> rotated q
+"""Decode-step attention (and the RoPE + KV store before it) over the paged KV cache: three interchangeable backends:
 
   eager  - gather each sequence's pages, plain fp32 math: the reference the others are tested against.
   sdpa   - gather pages into a dense padded K/V, then F.scaled_dot_product_attention with a length mask.
@@ -75,21 +72,18 @@ def _sdpa_decode(q, k_pool, v_pool, block_table, seq_lens, scale):
 
 
 def rope_store(backend: str, q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
-    """Rotate q and k at `positions`, store rotated k and v at `slots`; returns rotated q (B, Hq, D).
-    The triton backend fuses it into one kernel; eager and sdpa use `rope_store_torch`."""
+    """Rotate q and k at `positions`, store rotated k and v at `slots`; returns rotated q (B, Hq, D)."""
     if backend == "triton":
         return torch.ops.minigrpo.rope_store(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
     return rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
 
 
 def rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
-    """Plain-PyTorch rope + cache store, numerically identical to the model's `apply_rope`. q (B, Hq, D),
-    k/v (B, Hkv, D); positions, slots (B,) int32 (slot = page * S + offset, < 0: skip); cos/sin (max_pos, D)
-    fp32 tables. Mutates k_pool and v_pool (P, S, Hkv, D)."""
+    """`rope_store` in plain PyTorch, numerically the model's `apply_rope`. q (B, Hq, D), k/v (B, Hkv, D);
+    positions, slots (B,) int32 (slot = page * S + offset, < 0: skip); cos/sin (max_pos, D) fp32 tables."""
     check_rope_store_inputs(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
     # As the model does: fp32 tables cast to the activation dtype, then the rotation in that dtype.
-    c = cos[positions][:, None, :].to(q.dtype)                                  # (B, 1, D)
-    s = sin[positions][:, None, :].to(q.dtype)                                  # (B, 1, D)
+    c, s = (t[positions][:, None, :].to(q.dtype) for t in (cos, sin))          # (B, 1, D) each
     _store_rows(k_pool, slots, apply_rope(k, c, s))
     _store_rows(v_pool, slots, v)
     return apply_rope(q, c, s)                                                  # (B, Hq, D)

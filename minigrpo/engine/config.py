@@ -31,7 +31,5 @@ class EngineConfig:
             raise ValueError(f"buckets must be increasing and end at max_batch {self.max_batch}, got {self.buckets}")
 
     def bucket_sizes(self) -> tuple[int, ...]:
-        if self.buckets:
-            return self.buckets
-        sizes = [b for b in (8, 16, 32, 64, 128, 256, 512, 1024) if b < self.max_batch]
-        return tuple(sizes) + (self.max_batch,)
+        smaller = tuple(b for b in (8, 16, 32, 64, 128, 256, 512, 1024) if b < self.max_batch)
+        return self.buckets or smaller + (self.max_batch,)

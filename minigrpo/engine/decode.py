@@ -5,12 +5,8 @@ layers. When the policy's parameters have the engine's dtype and device (`--weig
 `load_from` makes each one a view of the slice that holds it, so the optimizer updates the engine in
 place; otherwise it copies after each update. The buffers never move, so captured CUDA graphs stay valid.
 
-`decode_step` is the unit that gets compiled and captured: static shapes but the batch, every state update an
-in-place write into a preallocated buffer, so it can replay N times in a row with nothing from the host.
-
 Shape legend: B batch slots, T prompt length, C hidden, H query heads, K kv heads, D head dim, F MLP width,
-V vocabulary, L layers, M block-table width, S page size, W output width (max_seq_len + 1; the last column
-is scratch).
+V vocabulary, L layers, M block-table width, S page size, W output width (max_seq_len + 1, the last column scratch).
 """
 
 from __future__ import annotations
@@ -93,8 +89,7 @@ class DecodeModel(nn.Module):
         B, T = ids.shape
         H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         x = F.embedding(ids, self.embed)                                           # (B, T, C)
-        cos = self.cos[:T].to(x.dtype)[None, :, None]                               # (1, T, 1, D)
-        sin = self.sin[:T].to(x.dtype)[None, :, None]
+        cos, sin = (t[:T].to(x.dtype)[None, :, None] for t in (self.cos, self.sin))  # (1, T, 1, D) each
         flat_slots = slots.reshape(-1)                                              # (B*T,)
         for i in range(cfg.num_hidden_layers):
             h = rms_norm(x, self.ln1[i], cfg.rms_norm_eps)
@@ -136,8 +131,7 @@ class DecodeModel(nn.Module):
 
 
 def sample_tokens(logits, params: SamplingParams, seed, ctr, sampler: str):
-    """The reference sampler, or for plain temperature sampling the fused Triton kernel (the same draw).
-    -> tokens (B,), log-probs (B,)."""
+    """-> tokens (B,), log-probs (B,): `sample`, or the fused Triton kernel (the same draw) for plain temperature."""
     if sampler == "triton" and not params.greedy and params.top_k == 0 and params.top_p == 1.0:
         return torch.ops.minigrpo.fused_sample(logits, seed, ctr, params.temperature, SAMPLE_CHUNK)
     return sample(logits, params, seed, ctr)
@@ -176,6 +170,7 @@ def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, st
 def decode_step(model: DecodeModel, attn: str, params: SamplingParams, tok, pos, ctr, seed, limit, done,
                 block_table, out_tok, out_logp, stops, k_pools, v_pools, sampler: str = "torch",
                 num_splits: int = 0) -> None:
-    """The whole decode step: the unit `--compile step` compiles and CUDA graphs capture."""
+    """The whole decode step, the unit `--compile step` compiles and CUDA graphs capture: static shapes but the batch,
+    every state update an in-place write into a preallocated buffer, so it replays N times in a row, no host input."""
     logits = model.decode_logits(attn, tok, pos, block_table, ~done, k_pools, v_pools, num_splits)
     advance(logits, params, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp, sampler)

@@ -40,23 +40,19 @@ class Engine:
             raise ValueError("cuda_graphs=True needs a CUDA device; use cuda_graphs=False on the CPU")
         self.model_cfg, self.cfg, self.device = model_cfg, cfg, device
         self.model = DecodeModel(model_cfg, dtype, device, max_positions=cfg.max_seq_len)
-        self.kv = KVCache(model_cfg, self._kv_pages(model_cfg, cfg, dtype, device), cfg.page_size, dtype, device)
         table_width = math.ceil(cfg.max_seq_len / cfg.page_size)
+        pages = cfg.kv_pages
+        if pages is None:  # every slot at max length; on CUDA at most kv_memory_fraction of the free memory
+            pages = 1 + cfg.max_batch * table_width
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                per_page = KVCache.bytes_per_page(model_cfg, cfg.page_size, dtype)
+                pages = max(2, min(pages, int(free * cfg.kv_memory_fraction) // per_page))
+        self.kv = KVCache(model_cfg, pages, cfg.page_size, dtype, device)
         self.state = SlotState(cfg.max_batch, table_width, cfg.max_seq_len + 1, device)
         self.runner = StepRunner(self.model, self.kv, self.state, cfg)
         # marks the done mask's copy to the host each round (on the CPU the copy is synchronous)
         self._done_copied = torch.cuda.Event() if device.type == "cuda" else None
-
-    @staticmethod
-    def _kv_pages(mcfg: ModelConfig, cfg: EngineConfig, dtype, device) -> int:
-        if cfg.kv_pages is not None:
-            return cfg.kv_pages
-        per_page = KVCache.bytes_per_page(mcfg, cfg.page_size, dtype)
-        full = 1 + cfg.max_batch * math.ceil(cfg.max_seq_len / cfg.page_size)  # every slot at max length
-        if device.type != "cuda":
-            return full
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(2, min(full, int(free * cfg.kv_memory_fraction) // per_page))
 
     def load_weights(self, model: Qwen2ForCausalLM) -> None:
         """Generate with the policy's weights from now on: shared or copied in place (DecodeModel.load_from)."""
@@ -69,11 +65,10 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], samples_per_prompt: int, max_new_tokens: int,
                  params: SamplingParams, stop_ids=(), seeds: list[int] | None = None) -> Rollout:
-        G, cfg = samples_per_prompt, self.cfg
+        G, cfg, st = samples_per_prompt, self.cfg, self.state
         N = len(prompts) * G
         self._check_request(prompts, G, max_new_tokens, stop_ids, seeds)
         seeds = list(seeds) if seeds is not None else list(range(N))
-        st = self.state
         # A stop id or token sequence per row, right-aligned (decode.ends_with_stop): one copy to the device.
         rows = [(s,) if isinstance(s, int) else tuple(s) for s in stop_ids]
         st.stops.copy_(torch.tensor([(ANY_TOKEN,) * (STOP_LEN - len(s)) + s for s in rows]
@@ -86,8 +81,7 @@ class Engine:
             admitted = []
             while waiting and len(slot_seq) + G * (len(admitted) + 1) <= cfg.max_batch \
                     and self._pages_for(len(prompts[waiting[0]]), G, max_new_tokens) <= self.kv.num_free:
-                admitted.append(waiting.popleft())
-                # reserve now so the next candidate sees what is left
+                admitted.append(waiting.popleft())  # its pages reserved now: the next candidate sees what is left
                 seq_pages.update(self._reserve(admitted[-1], len(prompts[admitted[-1]]), G, max_new_tokens))
             if not admitted and not slot_seq:
                 need = self._pages_for(len(prompts[waiting[0]]), G, max_new_tokens)
@@ -155,9 +149,7 @@ class Engine:
     def _reserve(self, group: int, prompt_len: int, G: int, max_new: int) -> dict[int, list[int]]:
         """Pages for one group: the full prompt pages shared G ways, then each sample's private tail."""
         S = self.cfg.page_size
-        shared = self.kv.alloc(prompt_len // S)
-        for _ in range(G - 1):
-            self.kv.share(shared)
+        shared = self.kv.alloc(prompt_len // S, holders=G)
         tail = math.ceil((prompt_len % S + max_new) / S)
         return {group * G + j: shared + self.kv.alloc(tail) for j in range(G)}
 
@@ -171,12 +163,9 @@ class Engine:
             t = torch.arange(lens[r])                    # sample 0 holds the partial page during prefill
             slots[r, :lens[r]] = torch.tensor(seq_pages[g * G])[t // S] * S + t % S
         logits = self.runner.prefill(ids.to(dev), torch.tensor(lens, device=dev), slots.to(dev))  # (groups, V)
-        src, dst = [], []                                # partial prompt page: each sample gets its own copy
-        for g, P in zip(groups, lens):
-            if P % S:
-                src += [seq_pages[g * G][P // S]] * (G - 1)
-                dst += [seq_pages[g * G + j][P // S] for j in range(1, G)]
-        self.kv.copy_pages(src, dst)
+        partial = [(g, P // S) for g, P in zip(groups, lens) if P % S]  # partial prompt pages: sample 0's to 1..G-1
+        self.kv.copy_pages([seq_pages[g * G][i] for g, i in partial for _ in range(1, G)],
+                           [seq_pages[g * G + j][i] for g, i in partial for j in range(1, G)])
         seq_ids = [g * G + j for g in groups for j in range(G)]
         rows = torch.arange(len(slot_seq), len(slot_seq) + len(seq_ids), device=dev)
         seed = torch.tensor([seeds[s] for s in seq_ids], dtype=torch.int64, device=dev)

@@ -48,20 +48,15 @@ class KVCache:
     def num_free(self) -> int:
         return len(self._free)
 
-    def alloc(self, n: int) -> list[int]:
+    def alloc(self, n: int, holders: int = 1) -> list[int]:
+        """n free pages, each held by `holders` sequences (the G samples of a prompt share its full pages)."""
         if n > len(self._free):
             raise OutOfPages(f"KV cache needs {n} more pages but only {len(self._free)} of {self.capacity} are "
                              f"free; raise the engine's kv_pages (or kv_memory_fraction)")
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
-            self._refs[p] = 1
+            self._refs[p] = holders
         return pages
-
-    def share(self, pages: list[int]) -> None:
-        """One more sequence holds these pages."""
-        for p in pages:
-            assert self._refs[p] > 0, f"page {p} is free and cannot be shared"
-            self._refs[p] += 1
 
     def release(self, pages: list[int]) -> None:
         """A sequence lets go of its pages; each returns to the pool when nobody holds it any more."""
@@ -76,8 +71,7 @@ class KVCache:
         assert len(src) == len(dst) and not set(src) & set(dst), "copy_pages: src and dst must pair up, disjoint"
         if not src:
             return
-        s = torch.tensor(src, dtype=torch.long).to(self.k[0].device, non_blocking=True)
-        d = torch.tensor(dst, dtype=torch.long).to(self.k[0].device, non_blocking=True)
+        s, d = (torch.tensor(x, dtype=torch.long).to(self.k[0].device, non_blocking=True) for x in (src, dst))
         for pool in self.k + self.v:
             pool.index_copy_(0, d, pool.index_select(0, s))
 

@@ -6,9 +6,6 @@
 `stop_ids` holds stop token ids, and token sequences (tuples) on which the engine stops early (the
 caller cuts at the stop strings anyway; the reference generator ignores them). `seeds` holds one seed
 per completion, group-major like the result: a completion is a pure function of (weights, prompt, seed).
-
-`ReferenceBackend` runs `minigrpo.model.generate.generate` on the policy module itself (slow, obviously
-correct, nothing to sync). The fast engine (`--attn eager|sdpa|triton`) is `minigrpo.engine.engine.Engine`.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ ATTN_BACKENDS = ("reference", "eager", "sdpa", "triton")
 
 
 class ReferenceBackend:
-    """Reference generation with the policy module itself (eval mode, no grad; bf16 autocast on CUDA)."""
+    """Reference generation on the policy module itself (eval mode, bf16 autocast on CUDA): slow, obviously correct."""
 
     def __init__(self, model: Qwen2ForCausalLM, pad_id: int):
         self.model = model
@@ -53,12 +50,9 @@ class ReferenceBackend:
 def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: str | None = None,
                  cuda_graphs: bool | None = None, max_seq_len: int | None = None,
                  max_batch: int | None = None, sampler: str | None = None):
-    """The rollout backend for `--attn`: the reference generator, or the fast engine with that attention.
-
-    The engine runs bf16 on CUDA, fp32 on the CPU (where bf16 rounding would hide real mismatches). None
-    picks the fastest setting (bench/NOTES.md): on CUDA the compiled, captured step and the Triton sampler;
-    on the CPU the eager step and the reference sampler. max_seq_len and max_batch size the block tables
-    and the KV pool; None keeps the engine's defaults."""
+    """The rollout backend for `--attn`: the reference generator, or the fast engine with that attention, in bf16
+    on CUDA, fp32 on the CPU (where bf16 rounding would hide real mismatches). None picks the fastest setting for
+    the device (bench/NOTES.md), or keeps the engine's default sizes."""
     if attn == "reference":
         return ReferenceBackend(model, pad_id)
     device = next(model.parameters()).device

@@ -1,11 +1,10 @@
 """Where the engine's graph boundaries live: the per-slot state the decode step reads and writes, and the
 runner that turns the step and the prefill into callables under the engine's graph config.
 
-`compile="step"` wraps the decode step (model, sampling and slot bookkeeping) in
-torch.compile(fullgraph=True); `cuda_graphs` captures that step, compiled or not, once per (bucket, sampling
-params), and the eager prefill once per padded shape. All captured graphs share one memory pool: they never
-run concurrently, and no output of one is read after another replays (the step writes into the slot state,
-outside the pool; logits are read at once).
+`compile="step"` wraps the decode step (model, sampling and slot bookkeeping) in torch.compile(fullgraph=True), one
+graph for all buckets; `cuda_graphs` captures it, compiled or not, per (bucket, sampling params), and the eager prefill
+per padded shape. All captured graphs share one memory pool: they never run concurrently, and no output of one is read
+after another replays (the step writes the slot state, outside the pool; logits are read at once).
 
 Shape legend: B bucket (batch slots), M block-table width, W output width (max_seq_len + 1), n prompts
 in a prefill, T their padded length, V vocabulary.
@@ -61,23 +60,20 @@ PREFILL_ALIGN = 32  # captured prefills: prompt length rounded up to this, group
 
 
 def pad_prefill(ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor, rows: int, T: int, scratch: int):
-    """Pad prefill inputs to (rows, T): extra columns and rows are pad tokens (id 0) stored at the scratch
-    slot; extra rows have length 1. Right padding leaves the real rows' results unchanged (causal)."""
+    """Pad to (rows, T): extra rows and columns are pad tokens (id 0) at the scratch slot; extra rows have length 1."""
     n, t = ids.shape                                                                # (n, t) -> (rows, T)
     pad = (0, T - t, 0, rows - n)
     return F.pad(ids, pad), F.pad(lens, (0, rows - n), value=1), F.pad(slots, pad, value=scratch)
 
 
 class StepRunner:
-    """Turns the decode step into a callable per (bucket, sampling params), and runs the prefill, honouring
-    the graph config."""
+    """The decode step as a callable per (bucket, sampling params), and the prefill, under the graph config."""
 
     def __init__(self, model: DecodeModel, kv: KVCache, state: SlotState, cfg: EngineConfig):
         self.model, self.kv, self.state, self.cfg = model, kv, state, cfg
-        # emulate_precision_casts: each op's output rounds as in eager (Inductor would keep fused
-        # intermediates in fp32), so a bf16 greedy rollout does not depend on the compile mode.
-        # dynamic=False: every dimension static but the batch (SlotState.args), so one compile serves every
-        # bucket. The Triton attention's split count is then fixed from the largest bucket, not picked per B.
+        # emulate_precision_casts: each op's output rounds as in eager (Inductor would keep fused intermediates in
+        # fp32), so a bf16 greedy rollout does not depend on the compile mode. Static shapes but the batch dimension
+        # (SlotState.args), one compile for all buckets: the Triton attention's split count is the largest bucket's.
         self._step = (torch.compile(decode_step, fullgraph=True, dynamic=False,
                                     options={"emulate_precision_casts": True})
                       if cfg.compile == "step" else decode_step)
@@ -88,12 +84,10 @@ class StepRunner:
         self._pool = None          # one memory pool shared by all captured graphs
 
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """DecodeModel.prefill into the engine's pages -> last-token logits (groups, V).
-
-        Eagerly, the prefill is ~40 small launches per layer, bound by the host. With cuda_graphs it
-        replays a capture of that same eager code, one per padded shape: one launch, and eager's kernels.
-        It is not compiled: Inductor's fused norms reduce in another order, and the prefill alone picks
-        each sequence's first token, so a bf16 near tie there would depend on the graph mode."""
+        """DecodeModel.prefill into the engine's pages -> last-token logits (groups, V). Eagerly ~40 small
+        launches per layer, bound by the host; with cuda_graphs one replay per padded shape of that same eager
+        code. Not compiled: Inductor's fused norms reduce in another order, and the prefill alone picks each
+        sequence's first token, so a bf16 near tie would depend on the graph mode."""
         kv = self.kv
         if not self.cfg.cuda_graphs:
             return self.model.prefill(ids, lens, slots, kv.k, kv.v)

@@ -51,7 +51,6 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def _read_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of a model directory, read onto `device` and cast to `dtype` one tensor at a time."""
     device = str(torch.device(device))
     state = {}
     for path in _weight_files(model_dir):
@@ -62,8 +61,7 @@ def _read_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.de
                         raise ValueError(f"tensor {key!r} appears in more than one file (again in {path})")
                     state[key] = f.get_tensor(key).to(dtype)
         except SafetensorError as e:
-            raise ValueError(f"{path} is truncated or corrupt and cannot be read ({e}); "
-                             f"delete it and download again") from None
+            raise ValueError(f"{path} is truncated or corrupt ({e}); delete it and download again") from None
     return state
 
 
@@ -85,14 +83,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{model_dir}: weights do not match config.json: "
-                         f"missing {len(missing)} tensor(s) {missing[:20]}, "
-                         f"unexpected {len(unexpected)} tensor(s) {unexpected[:20]}")
+        raise ValueError(f"{model_dir}: weights do not match config.json: missing {len(missing)} tensor(s) "
+                         f"{missing[:20]}, unexpected {len(unexpected)} tensor(s) {unexpected[:20]}")
     bad = [f"{k}: expected {tuple(expected[k])}, found {tuple(v.shape)}"
            for k, v in state.items() if v.shape != expected[k]]
     if bad:
-        raise ValueError(f"{model_dir}: shape mismatch with config.json for {len(bad)} tensor(s): "
-                         + "; ".join(bad[:20]))
+        raise ValueError(f"{model_dir}: shape mismatch with config.json, {len(bad)} tensor(s): {'; '.join(bad[:20])}")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter; share it again
     return model

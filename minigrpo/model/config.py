@@ -29,8 +29,7 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads"):
+        for name in (*_REQUIRED, "num_key_value_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -88,18 +87,14 @@ _REQUIRED = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 
 
 def _check_supported(d: dict, source: Path) -> None:
-    """Reject settings that would change the computation but that this implementation does not implement."""
     model_type = d.get("model_type")
     if model_type != "qwen2":
-        raise ValueError(f"{source}: model_type {model_type!r} is not supported; minigrpo implements "
-                         f"the Qwen2/Qwen2.5 architecture (model_type 'qwen2') only")
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported; only 'qwen2' (Qwen2, Qwen2.5) is")
     if d.get("use_sliding_window", False):
-        raise ValueError(f"{source}: use_sliding_window=true is not supported (sliding-window attention "
-                         f"is not implemented); set it to false or use a model without it")
+        raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false, or use another model")
     rope_scaling = d.get("rope_scaling")
     if rope_scaling not in (None, {}) and (rope_scaling.get("rope_type", rope_scaling.get("type")) != "default"):
-        raise ValueError(f"{source}: rope_scaling {rope_scaling!r} is not supported; only plain RoPE "
-                         f"(rope_scaling null) is implemented")
+        raise ValueError(f"{source}: rope_scaling {rope_scaling!r} is not supported; only null (plain RoPE) is")
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{source}: hidden_act {act!r} is not supported; Qwen2 uses 'silu' (SwiGLU)")

@@ -24,11 +24,9 @@ class Rollout:
 
 
 @torch.no_grad()
-def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: int, *,
-             params: SamplingParams = GREEDY, stop_ids: tuple[int, ...] = (), pad_id: int = 0,
-             seeds: list[int] | None = None) -> Rollout:
-    """A completion for each prompt: up to max_new_tokens tokens, ending with the first stop id if one is drawn.
-    For G samples of a prompt, pass the prompt G times with G different seeds."""
+def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: int, *, params: SamplingParams = GREEDY,
+             stop_ids: tuple[int, ...] = (), pad_id: int = 0, seeds: list[int] | None = None) -> Rollout:
+    """A completion of up to max_new_tokens per prompt; for G samples of a prompt, pass it G times, G seeds."""
     device = next(model.parameters()).device
     rows = [torch.tensor(p, dtype=torch.long) for p in prompts]
     ids = pad_sequence(rows, batch_first=True, padding_value=pad_id, padding_side="left").to(device)  # (B, T)

@@ -2,11 +2,9 @@
 
 The model the trainer differentiates, and the yardstick the rollout engine is checked against: plain code,
 SDPA attention with an explicit mask, no KV cache. Parameter names are Hugging Face's, so a state dict
-moves between this model, safetensors files and transformers with no rename table. Numerics follow HF op
-for op (RMSNorm in fp32, cast back before the weight; RoPE tables in fp32, cast to the activation dtype).
+moves between this model, safetensors files and transformers with no rename table. Numerics follow HF op for op.
 
-Shape legend: B batch, T sequence length, C hidden size, H query heads, K key/value heads,
-D head dim, F MLP width, V vocabulary.
+Shape legend: B batch, T sequence length, C hidden, H query heads, K kv heads, D head dim, F MLP width, V vocabulary.
 """
 
 from __future__ import annotations
@@ -130,12 +128,10 @@ class Qwen2ForCausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                       checkpoint_layers: bool = False) -> torch.Tensor:
-        """Final-norm hidden states, (B, T) -> (B, T, C). The trainer applies the LM head in chunks itself.
-
-        attention_mask (B, T): 1 for real tokens, 0 for left padding. A token's position is the count of real
-        tokens before it, so a left-padded row computes exactly what it computes alone.
-        checkpoint_layers: with gradients on, recompute each layer in backward (one tensor kept per layer,
-        not ~20, for one more forward pass; the same gradients)."""
+        """Final-norm hidden states, (B, T) -> (B, T, C); the trainer applies the LM head in chunks itself.
+        attention_mask (B, T): 1 for real tokens, 0 for left padding; a token's position counts the real tokens
+        before it, so a left-padded row computes exactly what it computes alone. checkpoint_layers: with
+        gradients on, recompute each layer in backward (one tensor kept per layer, not ~20; the same gradients)."""
         B, T = input_ids.shape
         mask = None
         if attention_mask is None:
@@ -165,8 +161,7 @@ class Qwen2ForCausalLM(nn.Module):
 
 @torch.no_grad()
 def init_weights(model: Qwen2ForCausalLM, generator: torch.Generator, std: float = 0.02) -> None:
-    """Random initialisation as transformers does it (normal(0, std), zero biases, unit norms), reproducible
-    from `generator`."""
+    """Random initialisation as transformers does it (normal(0, std), zero biases, unit norms) from `generator`."""
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             if module is model.lm_head and model.config.tie_word_embeddings:

@@ -71,8 +71,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)                      # (B, V)
         probs = sorted_x.softmax(-1)
-        # Drop a token when the mass of the tokens strictly before it already reaches top_p;
-        # the most likely token is always kept.
+        # Drop a token once the mass of the tokens strictly before it reaches top_p: the most likely one stays.
         drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
@@ -91,8 +90,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor, co
     NC = -(-V // SAMPLE_CHUNK)
     chunks = F.pad(x, (0, NC * SAMPLE_CHUNK - V), value=float("-inf")).view(B, NC, SAMPLE_CHUNK)  # (B, NC, C)
     # Level 1: the chunk, by inverse CDF over the chunks' masses (a chunk of only -inf has mass 0).
-    mass = chunks.logsumexp(-1).softmax(-1)                                           # (B, NC)
-    cum = mass.cumsum(-1)                                                             # (B, NC)
+    cum = chunks.logsumexp(-1).softmax(-1).cumsum(-1)                                 # (B, NC)
     u = uniform_noise(seeds, counters, torch.full((1,), M31, device=x.device))        # (B, 1)
     # The first chunk whose cum exceeds u * total. u <= 1 - 2^-24 keeps u * total below the total in fp32,
     # so there always is one, and it has mass; the clamp only keeps a row of NaN logits in range.

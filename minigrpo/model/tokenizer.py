@@ -1,12 +1,11 @@
 """Qwen2.5 tokenizer: byte-level BPE from `tokenizer.json` plus the chat template in plain Python.
 
-The package must not import transformers at run time. The BPE is the Rust `tokenizers` library reading
-the published `tokenizer.json` (what transformers wraps), so encode/decode are bit-identical; `render_chat`
-re-implements the Qwen2.5 Jinja chat template for plain system/user/assistant turns (no tools), checked
-against `apply_chat_template` id for id in tests/test_tokenizer.py.
-
-Stop tokens come from `generation_config.json` (`<|im_end|>` and `<|endoftext|>` for Qwen2.5-Instruct).
-The model's embedding has more rows than the tokenizer has tokens; `decode` drops ids in that padding.
+The package must not import transformers at run time. The BPE is the Rust `tokenizers` library reading the
+published `tokenizer.json` (what transformers wraps), so encode/decode are bit-identical; `render_chat` re-implements
+the Qwen2.5 Jinja chat template for plain system/user/assistant turns (no tools), checked against
+`apply_chat_template` id for id in tests/test_tokenizer.py. Stop tokens come from `generation_config.json`
+(`<|im_end|>` and `<|endoftext|>` for Qwen2.5-Instruct). The model's embedding has more rows than the tokenizer
+has tokens; `decode` drops ids in that padding.
 """
 
 from __future__ import annotations
@@ -64,9 +63,8 @@ class Tokenizer:
         _check_added_tokens_agree(bpe, config, path)
         template = config.get("chat_template")
         if isinstance(template, str) and hashlib.sha256(template.encode()).hexdigest() != _QWEN25_TEMPLATE_SHA256:
-            warnings.warn(f"{path / 'tokenizer_config.json'} has a chat template different from Qwen2.5's; "
-                          "render_chat/encode_chat still produce Qwen2.5-formatted prompts, which this model may "
-                          "not expect", stacklevel=2)
+            warnings.warn(f"{path / 'tokenizer_config.json'} has a chat template different from Qwen2.5's; render_chat "
+                          "still produces Qwen2.5 prompts, which this model may not expect", stacklevel=2)
         gen_path = path / "generation_config.json"
         gen = _read_json(gen_path) if gen_path.is_file() else {}
 
@@ -81,9 +79,8 @@ class Tokenizer:
         stop = [eos_id, id_of(IM_END), id_of(ENDOFTEXT)] if stop is None else stop
         stop_ids = list(dict.fromkeys(i for i in ([stop] if isinstance(stop, int) else stop) if i is not None))
         if not stop_ids:
-            raise ValueError(f"no stop token found in {path}: tokenizer_config.json has no eos_token, there is no "
-                             f"generation_config.json eos_token_id, and neither {IM_END} nor {ENDOFTEXT} is in "
-                             "the vocabulary")
+            raise ValueError(f"no stop token in {path}: no eos_token in tokenizer_config.json, no eos_token_id in "
+                             f"generation_config.json, and neither {IM_END} nor {ENDOFTEXT} in the vocabulary")
         eos_id = stop_ids[0] if eos_id is None else eos_id
         # Pad only fills positions that are masked out, so any valid id works; prefer the declared one.
         pad_id = next((i for i in (id_of(config.get("pad_token")), gen.get("pad_token_id")) if i is not None), eos_id)
@@ -121,20 +118,16 @@ class Tokenizer:
 
 
 def _check_added_tokens_agree(bpe: _BPE, config: Mapping[str, Any], path: Path) -> None:
-    """tokenizer_config.json and tokenizer.json must map special tokens to the same ids (same model's files)."""
     for str_id, entry in config.get("added_tokens_decoder", {}).items():
         content = entry.get("content") if isinstance(entry, Mapping) else entry
         if bpe.token_to_id(content) != int(str_id):
             raise ValueError(f"{path}: tokenizer_config.json maps {content!r} to id {str_id} but tokenizer.json maps "
-                             f"it to {bpe.token_to_id(content)}; the two files come from different models. "
-                             f"{_DOWNLOAD_HINT}")
+                             f"it to {bpe.token_to_id(content)}; the files are from different models. {_DOWNLOAD_HINT}")
 
 
 def _validate_messages(messages: Any) -> None:
-    """Reject what the plain-Python template does not cover: tools, other roles, content that is not text."""
     if isinstance(messages, (Mapping, str)) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}} dicts, "
-                         f"got {messages!r}")
+        raise ValueError(f"messages must be a non-empty list of {{'role': ..., 'content': ...}}, got {messages!r}")
     for i, m in enumerate(messages):
         if (not isinstance(m, Mapping) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str)
                 or m.get("tool_calls")):

@@ -199,7 +199,7 @@ case "${1:-}" in
     python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['triton']['every_step']; c=[s['compile_s'] for s in r]; \
 print('steps', len(c), 'compile_s total', round(sum(c), 1), 'steps compiling', [(i + 1, x) for i, x in enumerate(c) if x > 0.5], \
 'median step', sorted(s['time_step'] for s in r)[len(r) // 2])" "$OUT/compile100/train_step.json"
-    sort -t, -k2 -gr "$OUT"/compile100/train_*/compile_times.txt | head -12 ;;
+    sort -k2 -gr "$OUT"/compile100/train_*/compile_times.txt | head -12 ;;  # "stage  seconds" lines
   speedbig)    # the same at the 1.5B and 7B shapes (MODELS="15b 7b"; ~4 min each), before and after (32-row
                # micro-batches); TRL: the trl part
     for m in ${MODELS:-15b 7b}; do

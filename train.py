@@ -396,7 +396,7 @@ def check_memory(args, model_cfg, train, test, dist: distributed.Dist) -> None:
     free = free_memory(args.device)
     if free is None:
         return
-    free = -int(dist.all_reduce(torch.tensor(-free), "max"))
+    free = int(dist.all_reduce(torch.tensor(free), "min"))
     peak = memory_estimator(args, model_cfg, train, test, dist.world, free)
 
     def fits(cfg: TrainConfig) -> bool:

@@ -200,7 +200,7 @@ case "${1:-}" in
     python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['triton']['every_step']; c=[s['compile_s'] for s in r]; \
 print('steps', len(c), 'compile_s total', round(sum(c), 1), 'steps compiling', [(i + 1, x) for i, x in enumerate(c) if x > 0.5], \
 'median step', sorted(s['time_step'] for s in r)[len(r) // 2])" "$OUT/compile100/train_step.json"
-    sort -t, -k2 -gr "$OUT"/compile100/train_*/compile_times.txt | head -12
+    sort -k2 -gr "$OUT"/compile100/train_*/compile_times.txt | head -12  # "stage  seconds" lines
     echo "recompiles per function (decode_step: the engine; forward: a decoder layer; _chunk_*: log-probs; _adamw_chunk):"
     grep -o "Recompiling function [^ ]*" "$OUT/compile100/recompiles.log" | sort | uniq -c
     echo "each with its failed guards, then the step it fell in:"

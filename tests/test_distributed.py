@@ -167,3 +167,20 @@ def test_shard_blocks_are_contiguous_and_cover_the_batch():
     assert [Dist(rank=r, world=2).shard(items) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(ValueError, match="cannot split the 8 items evenly over 3 ranks"):
         Dist(rank=0, world=3).shard(items)
+
+
+def test_all_reduce_ops_over_two_ranks(tmp_path):
+    """Dist.all_reduce's "sum", "max" and "min" over 2 gloo ranks (train.py's memory check takes the least free)."""
+    script = tmp_path / "reduce.py"
+    script.write_text(
+        "import json, sys, torch\n"
+        "from minigrpo.rl.distributed import init_from_env, shutdown\n"
+        "dist, _ = init_from_env('cpu')\n"
+        "t = torch.tensor([dist.rank + 1.0, -dist.rank])\n"
+        "out = {op: dist.all_reduce(t, op).tolist() for op in ('sum', 'max', 'min')}\n"
+        "if dist.is_main:\n"
+        "    open(sys.argv[1] + '/out.json', 'w').write(json.dumps(out))\n"
+        "shutdown(dist, together=True)\n")
+    torchrun(tmp_path, script=str(script))
+    assert json.loads((tmp_path / "out.json").read_text()) == {"sum": [3.0, -1.0], "max": [2.0, 0.0],
+                                                               "min": [1.0, -1.0]}

@@ -60,11 +60,11 @@ class Dist:
         return out
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Every rank's `t` reduced elementwise by `op` ("sum" or "max"), on every rank."""
+        """Every rank's `t` reduced elementwise by `op` ("sum", "max" or "min"), on every rank."""
         if self.world == 1:
             return t
         x = t.to(self.device, copy=True)
-        tdist.all_reduce(x, op={"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX}[op])
+        tdist.all_reduce(x, op=getattr(tdist.ReduceOp, op.upper()))
         return x.to(t.device)
 
     def barrier(self) -> None:

@@ -129,7 +129,7 @@ def run_engine(model, prompts, G, new, attn, mode, page_size, sampler, explain: 
 def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
     """Share of one decode step per part, from graph-timed pieces; norms/RoPE/KV store are the remainder."""
     st, kv, m, attn = engine.state, engine.kv, engine.model, engine.cfg.attn
-    tok, pos, ctr, seed, limit, done, stops, table, out_tok, out_logp = st.args(B)
+    tok, pos, ctr, seed, limit, done, table, out_tok, out_logp, stops = st.args(B)
     pages = torch.randperm(kv.num_pages - 1, device="cuda")[: B * table.shape[1]].view(B, -1) + 1
     table.copy_(pages.int())
     pos.fill_(ctx)
@@ -214,7 +214,8 @@ def step_report(engine: Engine, B: int, explain: bool = True) -> dict:
     st, kv, m, attn = engine.state, engine.kv, engine.model, engine.cfg.attn
     row = {}
     if engine.cfg.compile == "step" and explain:
-        ex = torch._dynamo.explain(decode_step)(m, attn, SAMPLING, *st.args(B), kv.k, kv.v, engine.cfg.sampler)
+        ex = torch._dynamo.explain(decode_step)(m, attn, SAMPLING, *st.args(B), kv.k, kv.v, engine.cfg.sampler,
+                                                engine.runner.num_splits)
         row.update(graphs=ex.graph_count, graph_breaks=ex.graph_break_count,
                    break_reasons=[str(b.reason) for b in ex.break_reasons])
     step = engine.runner.step(B, SAMPLING)

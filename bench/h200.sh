@@ -194,12 +194,18 @@ case "${1:-}" in
     if [ "${2:-}" = fit ]; then
       M=/tmp/fit05b; [ -d $M ] || python3 bench/fit_gsm8k.py --data "$DATA" --out $M 2>&1 | tail -2
     fi
-    OUT=$OUT/compile100 python3 bench/train_step.py --model-dir $M --data "$DATA" --attn triton \
-      --steps ${STEPS:-100} -- $LEAN --micro-batch-size 32 > /dev/null 2>&1
+    mkdir -p "$OUT/compile100"  # recompiles.log: each recompile's function and failed guard, then its step
+    OUT=$OUT/compile100 TORCH_LOGS=recompiles python3 bench/train_step.py --model-dir $M --data "$DATA" --attn triton \
+      --steps ${STEPS:-100} -- $LEAN --micro-batch-size 32 > /dev/null 2> "$OUT/compile100/recompiles.log"
     python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['triton']['every_step']; c=[s['compile_s'] for s in r]; \
 print('steps', len(c), 'compile_s total', round(sum(c), 1), 'steps compiling', [(i + 1, x) for i, x in enumerate(c) if x > 0.5], \
 'median step', sorted(s['time_step'] for s in r)[len(r) // 2])" "$OUT/compile100/train_step.json"
-    sort -k2 -gr "$OUT"/compile100/train_*/compile_times.txt | head -12 ;;  # "stage  seconds" lines
+    sort -k2 -gr "$OUT"/compile100/train_*/compile_times.txt | head -12  # "stage  seconds" lines
+    echo "recompiles per function (decode_step: the engine; forward: a decoder layer; _chunk_*: log-probs; _adamw_chunk):"
+    grep -o "Recompiling function [^ ]*" "$OUT/compile100/recompiles.log" | sort | uniq -c
+    echo "each with its failed guards, then the step it fell in:"
+    grep -E "Recompiling function|^step [0-9]+ compiled| - [0-9]+/[0-9]+: " "$OUT/compile100/recompiles.log" \
+      | sed 's/^.*\[__recompiles\] *//' | cut -c1-180 ;;
   speedbig)    # the same at the 1.5B and 7B shapes (MODELS="15b 7b"; ~4 min each), before and after (32-row
                # micro-batches); TRL: the trl part
     for m in ${MODELS:-15b 7b}; do

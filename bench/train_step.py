@@ -82,6 +82,8 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
     for _ in range(args.steps):
         clock.reset()
         rows.append(dict(trainer.step(), kv_pool_gib=kv_gib, **clock.reset()))
+        if rows[-1]["compile_s"] > 0.5:  # closes the step's block of TORCH_LOGS=recompiles lines (stderr)
+            print(f"step {len(rows)} compiled for {rows[-1]['compile_s']:.1f} s", file=sys.stderr, flush=True)
     gc.callbacks.remove(clock._on)  # the next run (another --attn) starts its own clock
     if dist.is_main:  # where the compile seconds went, by stage (tracing, AOT, Inductor, Triton builds); cumulative
         out.mkdir(parents=True, exist_ok=True)

@@ -145,9 +145,14 @@ def test_decode_step_traces_with_zero_graph_breaks(model, attn):
 
 
 @pytest.mark.slow
-def test_compiled_step_equals_reference(model, prompts):
+def test_compiled_step_equals_reference_and_compiles_once_for_every_bucket(model, prompts):
+    # The batch dimension is dynamic: one graph serves buckets 16 and 8 (with static shapes, one each).
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     engine = make_engine(model, attn="sdpa", compile="step")
     assert engine.generate(prompts, G, 20, GREEDY, stop_ids=STOP).tokens == reference(model, prompts).tokens
+    assert sorted({B for B, _ in engine.runner._prepared}) == [8, 16]  # 12 sequences, then fewer than 8
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
 
 
 def test_padded_prefill_equals_unpadded(model):

@@ -328,3 +328,51 @@ def test_fused_sample_rejects_bad_input():
         torch.ops.minigrpo.fused_sample(logits, seeds.int(), seeds, 1.0, 4096)
     with pytest.raises(ValueError, match="chunk must be a power of two"):
         torch.ops.minigrpo.fused_sample(logits, seeds, seeds, 1.0, 1000)
+
+
+
+class _NoLaunch:
+    """Stands in for wrap_triton: kernel[grid](...) launches nothing."""
+
+    def __init__(self, kernel):
+        pass
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def test_ops_add_no_guard_on_a_symbolic_batch(monkeypatch):
+    # The engine compiles its decode step once for every batch bucket, and on CUDA Inductor traces into these ops'
+    # Python with the batch symbolic: a Python branch on it there adds a guard (a recompile per bucket). Here that
+    # Python runs on fake tensors, launches stubbed. A split count left to the op (0) is picked from B: it guards.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    import kernels.rope_store as krs
+    import kernels.sample as ks
+    for module in (kda, krs, ks):
+        monkeypatch.setattr(module, "wrap_triton", _NoLaunch)
+        monkeypatch.setattr(module, "check_runnable", lambda device: None)
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+
+    def fake(*shape, dtype=torch.bfloat16, batch=True):  # dim 0 symbolic (one symbol for all) if batch
+        dims = [DimDynamic.DUCK if batch and i == 0 else DimDynamic.STATIC for i in range(len(shape))]
+        return mode.from_tensor(torch.empty(shape, dtype=dtype), symbolic_context=StatelessSymbolicContext(dims))
+
+    B, Hq, Hkv, D, S, M, V = 64, 14, 2, 64, 16, 32, 151_936  # Qwen2.5-0.5B's heads and vocabulary
+    q, k, v = fake(B, Hq, D), fake(B, Hkv, D), fake(B, Hkv, D)
+    k_pool, v_pool = fake(65, S, Hkv, D, batch=False), fake(65, S, Hkv, D, batch=False)
+    cos, sin = fake(M * S, D, dtype=torch.float32, batch=False), fake(M * S, D, dtype=torch.float32, batch=False)
+    pos, slots, lens = (fake(B, dtype=torch.int32) for _ in range(3))
+    seeds, ctr = fake(B, dtype=torch.int64), fake(B, dtype=torch.int64)
+    table, logits = fake(B, M, dtype=torch.int32), fake(B, V)
+    splits = kda.choose_num_splits(B, Hkv, M * S, 132)  # what the engine passes: its largest bucket's count
+    with mode:
+        assert isinstance(q.shape[0], torch.SymInt)
+        krs.rope_store._init_fn(q, k, v, k_pool, v_pool, pos, slots, cos, sin)
+        kda.paged_decode_attention._init_fn(q, k_pool, v_pool, table, lens, 0.125, splits)
+        ks.fused_sample._init_fn(logits, seeds, ctr, 0.9, 4096)
+        assert env.guards == []
+        kda.paged_decode_attention._init_fn(q, k_pool, v_pool, table, lens, 0.125, 0)
+        assert env.guards

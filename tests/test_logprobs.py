@@ -1,9 +1,12 @@
 """Chunked log-probs: equal to the naive full-logits computation in value and gradient, smaller in memory."""
 
+import functools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from minigrpo.rl import logprobs
 from minigrpo.rl.logprobs import VOCAB_SLICE, _chunk_grad, _chunk_stats, _compiled, token_logprobs
 
 N, T, D, V = 3, 5, 8, 50
@@ -171,15 +174,39 @@ def test_compiled_chunk_kernels_equal_the_eager_ones():
     g = torch.Generator().manual_seed(0)
     raw = (torch.randn(37, 5000, generator=g) * 3).bfloat16()                   # an uneven chunk of bf16 logits
     targets = torch.randint(0, 5000, (37,), generator=g)
-    for want_entropy in (True, False):
-        eager = _chunk_stats(raw, targets, 0.7, want_entropy)
-        compiled = _compiled(_chunk_stats)(raw, targets, 0.7, want_entropy)
-        for a, b in zip(eager, compiled):
-            if a is None:
-                assert b is None
-            else:
-                torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    eager, compiled = _chunk_stats(raw, targets, 0.7), _compiled(_chunk_stats)(raw, targets, 0.7)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     lse, gl = eager[0], torch.randn(37, generator=g)
     block, offset = raw[:, 1000:3000], targets - 1000                           # a vocabulary slice
     want, got = _chunk_grad(block, lse, gl, offset, 0.7), _compiled(_chunk_grad)(block, lse, gl, offset, 0.7)
     assert got.dtype == torch.bfloat16 and (got.float() - want.float()).abs().max() <= 2**-8 * want.float().abs().max()
+
+
+def test_a_one_token_chunk_is_not_compiled(monkeypatch):
+    # Dynamo specialises a dimension of size 1, so a one-token chunk (M = k x chunk + 1 tokens, ~1 micro-batch
+    # in chunk_size) sent to the compiled function would compile a graph of its own in the middle of a run.
+    rows = []  # the row count of every compiled call
+    monkeypatch.setattr(logprobs, "_compiled", lambda fn: lambda raw, *a: rows.append(len(raw)) or fn(raw, *a))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # as on CUDA, where _fused compiles
+    hidden, weight, targets = _inputs(seed=0)  # 15 tokens: chunks of 7, 7 and 1, forward and backward
+    _values_and_grads(lambda h, w, y: token_logprobs(h, w, y, chunk_size=7), hidden, weight, targets, torch.ones(N, T))
+    assert rows == [7, 7] * 2  # the values: test_matches_naive_values_and_grads (chunk_size 7)
+
+
+def test_every_block_of_either_kernel_shares_one_graph(monkeypatch):
+    # Chunks of 7 tokens (and an eager one of 1), vocabulary slices of 16, 16, 16 and 2, with and without the
+    # entropy: Dynamo captures _chunk_stats once and _chunk_grad once. Without the symbolic slice width the
+    # last slice recaptures (a ~4 s compile at Qwen's V, whose last slice is 4480 of 8192).
+    monkeypatch.setattr(logprobs, "_compiled", functools.cache(lambda fn: torch.compile(fn, backend="eager")))
+    monkeypatch.setattr(logprobs, "VOCAB_SLICE", 16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # as on CUDA, where _fused compiles
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    hidden, weight, targets = _inputs(seed=0)
+    for entropy in (True, False):
+        fn = lambda h, w, y: token_logprobs(h, w, y, chunk_size=7, return_entropy=entropy)[0] if entropy \
+            else token_logprobs(h, w, y, chunk_size=7)
+        _values_and_grads(fn, hidden, weight, targets, torch.ones(N, T))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
+    torch._dynamo.reset()

@@ -149,6 +149,22 @@ def test_compiled_update_equals_the_eager_one():
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
+def test_lone_and_concatenated_pieces_share_one_compiled_graph():
+    # A large parameter is updated in place through views of itself, small ones through a concatenation; a
+    # parameter view requires grad and a concatenation does not, which Dynamo guards on: a second graph
+    # (~6 s on the GPU) unless the lone piece is detached.
+    params = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in (1000, 10, 20)]  # pieces 300 x 3, 100, 30
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = StochasticAdamW(params, chunk=300, compile=False)
+    opt._update = torch.compile(opt._update, backend="eager", dynamic=True)
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    opt.step(seed=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    torch._dynamo.reset()
+
+
 def test_rejects_fp32_parameters():
     with pytest.raises(ValueError, match="bf16 parameters, got torch.float32"):
         StochasticAdamW([torch.nn.Parameter(torch.zeros(3))])

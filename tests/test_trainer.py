@@ -105,22 +105,26 @@ def _capture_gradients(trainer) -> dict[str, torch.Tensor]:
 
 def test_sequence_batch_layout_hand_made():
     batch = SequenceBatch.build([[1, 2], [3]], [[4, STOP], [5, 6, 7]], pad_id=PAD, device="cpu")
-    # rows start at column 0, padding only at the end; T = max(prompt + completion) = 4, C = 3
-    assert batch.ids.tolist() == [[1, 2, 4, STOP], [3, 5, 6, 7]]
+    # rows start at column 0, padding only at the end; T = max(prompt + completion) = 4, rounded up to a multiple
+    # of 8 (one compiled layer graph for every width); C = 3
+    P4 = [PAD] * 4
+    assert batch.ids.tolist() == [[1, 2, 4, STOP] + P4, [3, 5, 6, 7] + P4]
     assert batch.mask.tolist() == [[1, 1, 0], [1, 1, 1]]  # stop kept, padding dropped; no stop: all ones
     # completion token j of row i is scored at column prompt_len - 1 + j; only real completion tokens are listed
     assert batch.scored.tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 1, 2], [1, 2, 0, 1, 2]]
     assert batch.ids[batch.scored[0], batch.scored[2] + 1].tolist() == [4, STOP, 5, 6, 7]
-    sub = batch.select([0])  # row 0 alone: C = 2, T = 4
-    assert sub.ids.tolist() == [[1, 2, 4, STOP]] and sub.C == 2 and sub.mask.tolist() == [[1, 1]]
+    sub = batch.select([0])  # row 0 alone: C = 2, T = 8
+    assert sub.ids.tolist() == [[1, 2, 4, STOP] + P4] and sub.C == 2 and sub.mask.tolist() == [[1, 1]]
     sub = batch.select([1])
-    assert sub.ids.tolist() == [[3, 5, 6, 7]] and sub.scored[2].tolist() == [0, 1, 2]
+    assert sub.ids.tolist() == [[3, 5, 6, 7] + P4] and sub.scored[2].tolist() == [0, 1, 2]
     # padded with empty rows (a compiled policy's single row): mask 0, never more rows than asked for
     sub = batch.select([1], n_rows=3)
-    assert sub.ids.tolist() == [[3, 5, 6, 7], [0] * 4, [0] * 4]
+    assert sub.ids.tolist() == [[3, 5, 6, 7] + P4, [0] * 8, [0] * 8]
     assert sub.mask.tolist() == [[1, 1, 1], [0, 0, 0], [0, 0, 0]] and sub.prompt_lens == [1, 1, 1]
     assert sub.scored.tolist() == [[0, 0, 0], [0, 1, 2], [0, 1, 2]]  # the empty rows hold nothing to score
     assert len(batch.select([0, 1], n_rows=1).prompt_lens) == 2
+    wide = SequenceBatch.build([[1] * 9], [[2] * 8], pad_id=PAD, device="cpu")  # 17 columns -> 24
+    assert wide.ids.shape == (1, 24) and wide.select([0]).ids.shape == (1, 24)
 
 
 @pytest.mark.parametrize(
@@ -215,8 +219,9 @@ def test_only_informative_groups_are_forwarded_and_the_gradient_is_the_full_batc
 
 def test_micro_batches_group_rows_of_about_one_length(tmp_path):
     # 8 informative rows of total lengths 8, 7, 6, 5, 4, 4, 3, 2 in micro-batches of 2: sorted, each pair pads
-    # to its longer row (8, 6, 4, 3 columns); in the shuffled order they pad to 8, 3, 5, 7. The gradient stays
-    # the full minibatch's (the test above); here only the grouping.
+    # to its longer row (8, 6, 4, 3 real columns); in the shuffled order they would reach 8, 3, 5, 7. Every
+    # width is then rounded up to 8 columns (SequenceBatch), so the recorded width is the longest row's tokens.
+    # The gradient stays the full minibatch's (the test above); here only the grouping.
     model = random_model(tiny_config(tied=False, vocab=32), seed=3, std=0.1).train()
     script = {4: [[10], [11, STOP], [10, 13, 14, 15, STOP], [12, 13, 14, 15, 16, STOP]],
               6: [[13], [10, 10, STOP], [14, 15, 16, STOP], [10, 16, 17, 18, STOP]]}
@@ -224,7 +229,8 @@ def test_micro_batches_group_rows_of_about_one_length(tmp_path):
     widths, inner = [], model.hidden_states
 
     def record(ids, *args, **kwargs):
-        widths.append(ids.shape[1])
+        assert ids.shape[1] % 8 == 0
+        widths.append(int((ids != PAD).sum(1).max()))
         return inner(ids, *args, **kwargs)
 
     model.hidden_states = record
@@ -672,4 +678,26 @@ def test_compiled_layers_serve_every_batch_shape_with_one_graph_per_grad_mode(mo
         layer(torch.ones(n))
     with pytest.raises(Exception, match="recompile_limit"):  # one graph too many is an error, not a quiet eager run
         layer(torch.ones(RECOMPILE_LIMIT + 1))
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("default", [False, True], ids=["layer_options", "inductor_defaults"])
+def test_compiled_layer_trains_micro_batches_either_side_of_the_mix_order_bound_with_one_graph(default):
+    # On CUDA, Inductor fuses each norm's two backward reductions (over rows, over columns) when B x T x C >= 5 x 2^20
+    # and by default guards on that: a micro-batch on the other side of the bound compiles a second graph (~10 s at
+    # 0.5B). LAYER_OPTIONS drops the guard; the defaults' second graph shows what this test can catch.
+    from minigrpo.rl.trainer import LAYER_OPTIONS
+
+    torch._dynamo.reset()
+    model = random_model(tiny_config(head_dim=64), dtype=torch.bfloat16, device="cuda")  # C = 896, as the 0.5B
+    for layer in model.model.layers:
+        layer.compile(options={} if default else LAYER_OPTIONS)
+    counters = torch._dynamo.utils.counters["stats"]
+    graphs = counters["unique_graphs"]
+    # B x T: 8192 and 7488 above 5852, 2048 below; widths are multiples of 8, as the trainer's (SequenceBatch):
+    # Inductor also guards on T % 8
+    for B, T in ((4, 2048), (2, 1024), (3, 2496)):
+        model.hidden_states(torch.randint(0, 256, (B, T), device="cuda"), checkpoint_layers=True).sum().backward()
+    assert counters["unique_graphs"] - graphs == (2 if default else 1)
     torch._dynamo.reset()

@@ -26,10 +26,11 @@ BACKENDS = ("eager", "sdpa", "triton")
 
 
 def decode_attention(backend: str, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of one new query token per sequence over its cached tokens. q (B, Hq, D) -> (B, Hq, D)."""
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits=0) -> torch.Tensor:
+    """Attention of one new query token per sequence over its cached tokens. q (B, Hq, D) -> (B, Hq, D).
+    num_splits: the Triton kernel's split count; 0 picks it from B, which a step compiled once for every B must not."""
     if backend == "triton":
-        return torch.ops.minigrpo.paged_decode_attention(q, k_pool, v_pool, block_table, seq_lens, scale)
+        return torch.ops.minigrpo.paged_decode_attention(q, k_pool, v_pool, block_table, seq_lens, scale, num_splits)
     check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens)
     if backend == "eager":
         return _eager_decode(q, k_pool, v_pool, block_table, seq_lens, scale)

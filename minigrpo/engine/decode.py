@@ -106,8 +106,8 @@ class DecodeModel(nn.Module):
         last = x[torch.arange(B, device=ids.device), lens - 1]                      # (B, C)
         return F.linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head)  # (B, V)
 
-    def decode_logits(self, attn: str, tok, pos, block_table, live,
-                      k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> torch.Tensor:
+    def decode_logits(self, attn: str, tok, pos, block_table, live, k_pools: list[torch.Tensor],
+                      v_pools: list[torch.Tensor], num_splits: int = 0) -> torch.Tensor:
         """One token per slot -> next-token logits (B, V). Finished / empty slots (live False) store nothing
         and attend over nothing; their logits are garbage that the bookkeeping ignores."""
         cfg = self.cfg
@@ -124,7 +124,7 @@ class DecodeModel(nn.Module):
             q, k, v = F.linear(h, self.w_qkv[i], self.b_qkv[i]).split(self.qkv_sizes, dim=-1)
             q = rope_store(attn, q.view(B, H, D), k.view(B, K, D), v.view(B, K, D),
                            k_pools[i], v_pools[i], pos32, slots, self.cos, self.sin)  # (B, H, D)
-            o = decode_attention(attn, q, k_pools[i], v_pools[i], block_table, seq_lens, D ** -0.5)
+            o = decode_attention(attn, q, k_pools[i], v_pools[i], block_table, seq_lens, D ** -0.5, num_splits)
             x = x + F.linear(o.reshape(B, H * D), self.w_o[i])
             x = self._mlp(i, x)
         return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)     # (B, V)
@@ -168,8 +168,9 @@ def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, st
 
 
 def decode_step(model: DecodeModel, attn: str, params: SamplingParams, tok, pos, ctr, seed, limit, done,
-                stops, block_table, out_tok, out_logp, k_pools, v_pools, sampler: str = "torch") -> None:
-    """The whole decode step, the unit `--compile step` compiles and CUDA graphs capture: static shapes, every state
-    update an in-place write into a preallocated buffer, so it replays N times in a row with no host input."""
-    logits = model.decode_logits(attn, tok, pos, block_table, ~done, k_pools, v_pools)
+                block_table, out_tok, out_logp, stops, k_pools, v_pools, sampler: str = "torch",
+                num_splits: int = 0) -> None:
+    """The whole decode step, the unit `--compile step` compiles and CUDA graphs capture: static shapes but the batch,
+    every state update an in-place write into a preallocated buffer, so it replays N times in a row, no host input."""
+    logits = model.decode_logits(attn, tok, pos, block_table, ~done, k_pools, v_pools, num_splits)
     advance(logits, params, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp, sampler)

@@ -1,10 +1,10 @@
 """Where the engine's graph boundaries live: the per-slot state the decode step reads and writes, and the
 runner that turns the step and the prefill into callables under the engine's graph config.
 
-`compile="step"` wraps the decode step (model, sampling and slot bookkeeping) in torch.compile(fullgraph=True);
-`cuda_graphs` captures that step, compiled or not, once per (bucket, sampling params), and the eager prefill
-once per padded shape. All captured graphs share one memory pool: they never run concurrently, and no output of
-one is read after another replays (the step writes the slot state, outside the pool; logits are read at once).
+`compile="step"` wraps the decode step (model, sampling and slot bookkeeping) in torch.compile(fullgraph=True), one
+graph for all buckets; `cuda_graphs` captures it, compiled or not, per (bucket, sampling params), and the eager prefill
+per padded shape. All captured graphs share one memory pool: they never run concurrently, and no output of one is read
+after another replays (the step writes the slot state, outside the pool; logits are read at once).
 
 Shape legend: B bucket (batch slots), M block-table width, W output width (max_seq_len + 1), n prompts
 in a prefill, T their padded length, V vocabulary.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.decode_attention import choose_num_splits, sm_count
 from minigrpo.engine.config import EngineConfig
 from minigrpo.engine.decode import NO_STOP, DecodeModel, decode_step
 from minigrpo.engine.kv_cache import SCRATCH_PAGE, KVCache
@@ -25,6 +26,7 @@ MAX_STOPS, STOP_LEN = 16, 4  # stop ids and stop token sequences of up to STOP_L
 
 class SlotState:
     """Per-slot decode state, preallocated at full capacity; a bucket of size B uses rows [0, B)."""
+    ROWS = ("tok", "pos", "ctr", "seed", "limit", "done", "block_table", "out_tok", "out_logp")  # (B, ...) each
 
     def __init__(self, capacity: int, table_width: int, out_width: int, device):
         def z(*shape, dtype=torch.int64):
@@ -39,13 +41,16 @@ class SlotState:
         self.done_host = torch.ones(capacity, dtype=torch.bool, pin_memory=torch.device(device).type == "cuda")
 
     def args(self, B: int) -> tuple:
-        """The step's inputs for bucket B (views: the addresses CUDA graphs capture)."""
-        return (self.tok[:B], self.pos[:B], self.ctr[:B], self.seed[:B], self.limit[:B], self.done[:B],
-                self.stops, self.block_table[:B], self.out_tok[:B], self.out_logp[:B])
+        """The step's inputs for bucket B: views (the addresses CUDA graphs capture), their batch dimension
+        dynamic, so that one compiled step serves every bucket."""
+        rows = [getattr(self, name)[:B] for name in self.ROWS]
+        for t in rows:
+            torch._dynamo.maybe_mark_dynamic(t, 0)  # `maybe`: a bucket of 1 gets a graph of its own
+        return (*rows, self.stops)
 
     def compact(self, keep: torch.Tensor, n_before: int) -> None:
         """Move rows `keep` to the front; rows after them become empty (done) slots."""
-        for name in ("tok", "pos", "ctr", "seed", "limit", "done", "block_table", "out_tok", "out_logp"):
+        for name in self.ROWS:
             t = getattr(self, name)
             t[:len(keep)] = t[keep]
         self.done[len(keep):n_before] = True
@@ -66,11 +71,14 @@ class StepRunner:
 
     def __init__(self, model: DecodeModel, kv: KVCache, state: SlotState, cfg: EngineConfig):
         self.model, self.kv, self.state, self.cfg = model, kv, state, cfg
-        # emulate_precision_casts: each op's output rounds as in eager (Inductor would keep fused
-        # intermediates in fp32), so a bf16 greedy rollout does not depend on the compile mode.
+        # emulate_precision_casts: each op's output rounds as in eager (Inductor would keep fused intermediates in
+        # fp32), so a bf16 greedy rollout does not depend on the compile mode. Static shapes but the batch dimension
+        # (SlotState.args), one compile for all buckets: the Triton attention's split count is the largest bucket's.
         self._step = (torch.compile(decode_step, fullgraph=True, dynamic=False,
                                     options={"emulate_precision_casts": True})
                       if cfg.compile == "step" else decode_step)
+        _, S, K, _ = kv.k[0].shape
+        self.num_splits = choose_num_splits(cfg.max_batch, K, state.block_table.shape[1] * S, sm_count(kv.k[0].device))
         self._prepared: dict = {}  # (bucket, params) -> the step, replaying a graph if captured
         self._prefills: dict = {}  # padded (rows, T) -> (graph, static inputs, box holding its logits)
         self._pool = None          # one memory pool shared by all captured graphs
@@ -103,18 +111,16 @@ class StepRunner:
     def step(self, B: int, params: SamplingParams):
         """One decode step on slots [0, B), compiled if configured, as a callable of no arguments."""
         cfg, kv, args = self.cfg, self.kv, self.state.args(B)
-        return lambda: self._step(self.model, cfg.attn, params, *args, kv.k, kv.v, cfg.sampler)
+        return lambda: self._step(self.model, cfg.attn, params, *args, kv.k, kv.v, cfg.sampler, self.num_splits)
 
     def run(self, B: int, params: SamplingParams, n_steps: int) -> None:
         key = (B, params)
-        # Raised: one compiled variant per (bucket, params); past the default limit the step would silently run eager.
-        with torch._dynamo.config.patch(recompile_limit=4 * len(self.cfg.bucket_sizes()) + 8):
-            if key not in self._prepared:
-                step = self.step(B, params)
-                self._prepared[key] = self._capture(step).replay if self.cfg.cuda_graphs else step
-            step = self._prepared[key]
-            for _ in range(n_steps):
-                step()
+        if key not in self._prepared:  # one compile per sampling params; a graph capture per (bucket, params)
+            step = self.step(B, params)
+            self._prepared[key] = self._capture(step).replay if self.cfg.cuda_graphs else step
+        step = self._prepared[key]
+        for _ in range(n_steps):
+            step()
 
     def _capture(self, step) -> torch.cuda.CUDAGraph:
         """Capture one step with every slot marked done, so the warm-up steps store nothing and move no

@@ -32,15 +32,16 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_stats(raw: torch.Tensor, targets: torch.Tensor, temperature: float, want_entropy: bool):
-    """A chunk's logsumexp, target log-prob and entropy (or None), (m,) each, from its logits raw (m, V) in the
-    matmul's dtype."""
+def _chunk_stats(raw: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """A chunk's logsumexp, target log-prob and entropy, (m,) each, from its logits raw (m, V) in the matmul's
+    dtype. The entropy is computed also where unwanted: one pass more over the block in the same kernel, where
+    a second compiled variant would cost ~4 s once."""
     z = raw.to(_acc_dtype(raw.dtype)) / temperature                                  # (m, V)
     lse = torch.logsumexp(z, dim=-1)                                                 # (m,)
     z = z - lse[:, None]                                                             # (m, V) log-softmax
     logp = z.gather(-1, targets[:, None]).squeeze(-1)                                # (m,)
     # -sum p log p on log-probs directly: "lse - sum p z" cancels badly for peaked distributions
-    return lse, logp, -(z.exp() * z).sum(-1) if want_entropy else None
+    return lse, logp, -(z.exp() * z).sum(-1)
 
 
 def _chunk_grad(raw: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -56,9 +57,12 @@ _compiled = functools.cache(torch.compile)  # fn -> its compiled version, compil
 
 def _fused(fn, raw: torch.Tensor, *args):
     """fn, compiled into one kernel on CUDA (eager elsewhere: the same arithmetic). The token count varies
-    (the last chunk), so that dimension of every tensor argument is symbolic: one compile covers every chunk."""
-    if not raw.is_cuda:
+    (the last chunk), and so does the vocabulary slice (the backward's last), so both dimensions of raw and
+    the first of every other tensor are symbolic: one compile covers every block but one of a single token,
+    which runs eager (Dynamo specialises a size of 1: it would compile anew)."""
+    if not raw.is_cuda or len(raw) == 1:
         return fn(raw, *args)
+    torch._dynamo.maybe_mark_dynamic(raw, 1)
     for t in (raw, *args):
         if isinstance(t, torch.Tensor):
             torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -75,7 +79,7 @@ class _ChunkedLogProb(torch.autograd.Function):
         entropy = hidden.new_empty(M, dtype=acc) if want_entropy else None
         for s in range(0, M, chunk_size):
             e = min(s + chunk_size, M)
-            out = _fused(_chunk_stats, hidden[s:e] @ weight.T, targets[s:e], temperature, want_entropy)
+            out = _fused(_chunk_stats, hidden[s:e] @ weight.T, targets[s:e], temperature)
             lse[s:e], logp[s:e] = out[0], out[1]
             if want_entropy:
                 entropy[s:e] = out[2]

@@ -103,7 +103,8 @@ class StochasticAdamW(torch.optim.Optimizer):
 
     def _update_piece(self, piece, offset: int, hyper: torch.Tensor, seeds: torch.Tensor) -> None:
         """Several small parameters are concatenated, updated, and copied back: one piece's copies at a time."""
-        w, g, m, v = (torch.cat(x) if len(piece) > 1 else x[0] for x in zip(*piece))  # (n,) each
+        # detached: a parameter (requires_grad) and a concatenation (not) would compile two graphs
+        w, g, m, v = (torch.cat(x) if len(piece) > 1 else x[0].detach() for x in zip(*piece))  # (n,) each
         self._update(w, g, m, v, hyper, seeds, offset)
         if len(piece) > 1:
             for j, new in ((0, w), (2, m), (3, v)):

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch._inductor.config
 from torch.distributed.checkpoint import state_dict as dcp
 
 from minigrpo.model.sampling import SamplingParams
@@ -43,6 +44,10 @@ from minigrpo.run.stopping import NonFiniteError, nonfinite
 
 _ROLLOUT, _SHUFFLE, _ROUND = 0x5A3D, 0x5AFF, 0x5A40  # stream tags for (seed, tag, step, ...) derivation
 RECOMPILE_LIMIT = 32  # graphs one compiled decoder layer may need before that is an error (_fail_past_recompile_limit)
+# Inductor fuses a norm's two backward reductions (over rows, over columns) above a size and by default guards on it:
+# a graph more whenever a micro-batch crosses B x T x C = 5 x 2^20. Non-strict mode, where torch has it: no such guard.
+_NON_STRICT = "mix_order_reduction_non_strict_mode"
+LAYER_OPTIONS = {f"triton.{_NON_STRICT}": True} if hasattr(torch._inductor.config.triton, _NON_STRICT) else {}
 
 
 @dataclass
@@ -92,7 +97,7 @@ class Trainer:
             # one graph per grad mode. nn.Module.compile keeps the state-dict names.
             for m in (model, self.ref) if self.ref is not None else (model,):
                 for layer in m.model.layers:
-                    layer.compile()
+                    layer.compile(options=LAYER_OPTIONS)
             _fail_past_recompile_limit()
         self.sampler = EpochSampler(len(task), cfg.seed)  # the global prompt order, the same on every rank
         dist.shard(range(cfg.prompts_per_step), "prompts per step (-B)")  # fails now, not at step 1

@@ -330,7 +330,6 @@ def test_fused_sample_rejects_bad_input():
         torch.ops.minigrpo.fused_sample(logits, seeds, seeds, 1.0, 1000)
 
 
-
 class _NoLaunch:
     """Stands in for wrap_triton: kernel[grid](...) launches nothing."""
 

@@ -42,7 +42,7 @@ from minigrpo.engine.rollout import ATTN_BACKENDS, make_backend
 from minigrpo.rl import distributed
 from minigrpo.rl.config import PARALLEL, WEIGHT_DTYPES, TrainConfig
 from minigrpo.rl.loop import run
-from minigrpo.rl.memory import estimate
+from minigrpo.rl.memory import estimate, leaner
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import latest_name, remove_stale_temps
 from minigrpo.run.run_dir import check_out, move_aside
@@ -413,27 +413,6 @@ def check_memory(args, model_cfg, train, test, dist: distributed.Dist) -> None:
            "--micro-batch-size fits: use a smaller model, or shorter --max-new-tokens or prompts")
     raise DoesNotFit(f"this run needs about {need.total / gib:.1f} GiB ({need}) and {MEMORY_MARGIN:.0%} more for "
                      f"the allocator, but {args.device} has {free / gib:.1f} GiB free; {fix}")
-
-
-def leaner(cfg: TrainConfig, fits) -> dict | None:
-    """The first change to cfg, in order of what it costs, for which fits(changed cfg) holds: a smaller
-    micro-batch (down to a quarter), activation checkpointing (one more forward), 256-token LM-head chunks,
-    bf16 weights, and their combinations; last, the leanest setting with micro-batches down to 1 row.
-    Returns the changed TrainConfig fields, or None when nothing fits."""
-    lean = {"weights": "bf16", "activation_checkpointing": True, "logprob_chunk_size": 256}
-    changes = [{}, {"activation_checkpointing": True}, {"activation_checkpointing": True, "logprob_chunk_size": 256},
-               {"weights": "bf16"}, {"weights": "bf16", "activation_checkpointing": True}, lean]
-    mb = cfg.micro_batch_size
-    tries = [(c, n) for c in changes for n in (mb, mb // 2, mb // 4) if n >= 1]
-    tries += [(lean, mb >> k) for k in range(3, mb.bit_length())]
-    for change, n in tries:
-        change = {**change, "micro_batch_size": n}
-        if 0 < cfg.logprob_chunk_size < change.get("logprob_chunk_size", 0):
-            del change["logprob_chunk_size"]  # never a larger chunk
-        diff = {k: v for k, v in change.items() if getattr(cfg, k) != v}
-        if diff and fits(replace(cfg, **diff)):
-            return diff
-    return None
 
 
 def as_flags(change: dict) -> str:

@@ -41,12 +41,8 @@ class SlotState:
         self.done_host = torch.ones(capacity, dtype=torch.bool, pin_memory=torch.device(device).type == "cuda")
 
     def args(self, B: int) -> tuple:
-        """The step's inputs for bucket B: views (the addresses CUDA graphs capture), their batch dimension
-        dynamic, so that one compiled step serves every bucket."""
-        rows = [getattr(self, name)[:B] for name in self.ROWS]
-        for t in rows:
-            torch._dynamo.maybe_mark_dynamic(t, 0)  # `maybe`: a bucket of 1 gets a graph of its own
-        return (*rows, self.stops)
+        """The step's inputs for bucket B: views (the addresses CUDA graphs capture), batch rows first."""
+        return (*(getattr(self, name)[:B] for name in self.ROWS), self.stops)
 
     def compact(self, keep: torch.Tensor, n_before: int) -> None:
         """Move rows `keep` to the front; rows after them become empty (done) slots."""
@@ -73,7 +69,7 @@ class StepRunner:
         self.model, self.kv, self.state, self.cfg = model, kv, state, cfg
         # emulate_precision_casts: each op's output rounds as in eager (Inductor would keep fused intermediates in
         # fp32), so a bf16 greedy rollout does not depend on the compile mode. Static shapes but the batch dimension
-        # (SlotState.args), one compile for all buckets: the Triton attention's split count is the largest bucket's.
+        # (StepRunner.step), one compile for all buckets: the Triton attention's split count is the largest bucket's.
         self._step = (torch.compile(decode_step, fullgraph=True, dynamic=False,
                                     options={"emulate_precision_casts": True})
                       if cfg.compile == "step" else decode_step)
@@ -111,6 +107,9 @@ class StepRunner:
     def step(self, B: int, params: SamplingParams):
         """One decode step on slots [0, B), compiled if configured, as a callable of no arguments."""
         cfg, kv, args = self.cfg, self.kv, self.state.args(B)
+        if cfg.compile == "step":  # the batch dimension symbolic: one compiled step serves every bucket
+            for t in args[:len(SlotState.ROWS)]:
+                torch._dynamo.maybe_mark_dynamic(t, 0)  # `maybe`: a bucket of 1 gets a graph of its own
         return lambda: self._step(self.model, cfg.attn, params, *args, kv.k, kv.v, cfg.sampler, self.num_splits)
 
     def run(self, B: int, params: SamplingParams, n_steps: int) -> None:

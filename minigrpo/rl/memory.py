@@ -1,7 +1,7 @@
 """A run's peak device memory per rank, estimated from its configs alone, before anything is allocated.
 
-train.py compares the estimate with the GPU's free memory and stops at start, naming a setting that fits,
-rather than running out of memory a minute in. Pure arithmetic, in allocated bytes (what
+train.py compares the estimate with the GPU's free memory and stops at start, naming a setting that fits
+(`leaner`), rather than running out of memory a minute in. Pure arithmetic, in allocated bytes (what
 torch.cuda.max_memory_allocated reports) for the longest prompt; train.py adds a margin for the allocator.
 
     peak = resident + max(update, scoring)
@@ -35,7 +35,7 @@ L layers, W ranks, T training columns (prompt + completion), a / r bytes per act
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from minigrpo.model.config import ModelConfig
@@ -152,3 +152,24 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
     scoring = (ms * T * (2 * r * C + a * (2 * C + 2 * KD + 3 * m.intermediate_size))     # one layer, no grad
                + _logits(cfg, ms * cfg.max_new_tokens, V))
     return MemoryEstimate(resident, update, scoring)
+
+
+def leaner(cfg: TrainConfig, fits) -> dict | None:
+    """The first change to cfg, in order of what it costs, for which fits(changed cfg) holds: a smaller
+    micro-batch (down to a quarter), activation checkpointing (one more forward), 256-token LM-head chunks,
+    bf16 weights, and their combinations; last, the leanest setting with micro-batches down to 1 row.
+    Returns the changed TrainConfig fields, or None when nothing fits."""
+    lean = {"weights": "bf16", "activation_checkpointing": True, "logprob_chunk_size": 256}
+    changes = [{}, {"activation_checkpointing": True}, {"activation_checkpointing": True, "logprob_chunk_size": 256},
+               {"weights": "bf16"}, {"weights": "bf16", "activation_checkpointing": True}, lean]
+    mb = cfg.micro_batch_size
+    tries = [(c, n) for c in changes for n in (mb, mb // 2, mb // 4) if n >= 1]
+    tries += [(lean, mb >> k) for k in range(3, mb.bit_length())]
+    for change, n in tries:
+        change = {**change, "micro_batch_size": n}
+        if 0 < cfg.logprob_chunk_size < change.get("logprob_chunk_size", 0):
+            del change["logprob_chunk_size"]  # never a larger chunk
+        diff = {k: v for k, v in change.items() if getattr(cfg, k) != v}
+        if diff and fits(replace(cfg, **diff)):
+            return diff
+    return None

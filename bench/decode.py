@@ -13,13 +13,14 @@ Floors, measured in the same run:
   matmul floor     the step's own GEMM chain (24 x qkv, o_proj, gate_up, down, residual adds, SiLU, then the
                    LM head) captured alone in one CUDA graph
 Each engine row also carries the step's compiled graphs, graph breaks with reasons (compile=step) and
-kernel launches per step; the step breakdown is of the first row's configuration, so put the mode that
-matters first. A table goes to stdout, everything to <out>/decode.json (rewritten after every row).
+kernel launches per step, in all and by name; the step breakdown is of the first row's configuration, so
+put the mode that matters first. A table goes to stdout, everything to <out>/decode.json (rewritten after every row).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -224,7 +225,10 @@ def step_report(engine: Engine, B: int, explain: bool = True) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    row["kernels_per_step"] = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    row["kernels_per_step"] = len(names)
+    # Which kernels make the count (the step's cost at small batch is mostly ~3 us per kernel, NOTES session 15).
+    row["kernels_by_name"] = dict(collections.Counter(n[:80] for n in names).most_common())
     return row
 
 

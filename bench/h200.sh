@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|compile100|speed|speedbig|templates
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|linear|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|compile100|speed|speedbig|templates
 # (and `revs`, run here before a device call, not there)
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
@@ -34,6 +34,9 @@ case "${1:-}" in
     python3 bench/decode.py --workloads 8x8 "${@:2}" ;;
   decode256)   # 32 prompts x 8 samples x 256 tokens
     python3 bench/decode.py --workloads 32x8 "${@:2}" ;;
+  linear)      # the decode matmuls alone: cuBLAS vs a skinny split-K Triton kernel, per shape and as a chain
+               # (`linear --sweep`, ~5 min; NOTES session 15)
+    python3 bench/linear.py "${@:2}" ;;
   report)      # graphs, graph breaks and kernel launches per decode step, per backend
     python3 bench/decode.py --report "${@:2}" ;;
   logprobs)    # memory of chunked vs full-logit log-probs
@@ -218,6 +221,6 @@ print('steps', len(c), 'compile_s total', round(sum(c), 1), 'steps compiling', [
                # evaluation (r1, 4 samples x 32 test examples). One process, one compile (~3 min in all)
     rand 0.5b
     python3 bench/templates.py --model-dir /tmp/rand05b --data "$DATA" "${@:2}" ;;
-  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|compile100|speed|speedbig|templates|revs [args]"
+  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|linear|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|compile100|speed|speedbig|templates|revs [args]"
      exit 2 ;;
 esac

@@ -1,14 +1,21 @@
-"""Decode-step matmuls: cuBLAS against the skinny Triton kernel (`kernels/linear.py`), per shape and as a chain.
+"""Decode-step matmuls: cuBLAS against a skinny split-K Triton matmul, per shape and as a chain.
+
+Session 15 asked whether the decode step's matmul chain (3.4x its weight bytes at 64 rows) is slow because
+cuBLAS leaves SMs idle on narrow outputs (o_proj and down_proj: N = 896). The kernel here tiles N by 32 and
+splits K so that every matmul runs on ~2 programs per SM, fp32 partials summed by the next kernel; it lives
+here, not in `kernels/`, because it did not win (bench/NOTES.md, session 15): each small matmul costs ~3-4 us
+whoever computes it, so the chain is bound by its kernel count, not by bandwidth.
 
 For one model config (default Qwen2.5-0.5B) and each batch size given, with bf16 random weights:
   per shape  qkv, o_proj, gate_up, down_proj and the LM head, each timed over enough distinct weight copies
              (>= 512 MiB) that every call reads its weight from HBM, as the decode step does. Reports us per
              matmul and weight GB/s against the copy bandwidth measured in the same run, for cuBLAS
              (F.linear) and for the kernel with its chosen tiles (`choose_tiles`); --sweep also times
-             every tile count, split count and stage count and prints the best.
+             other tile, split and stage counts and prints the best.
   chain      all layers' matmuls with residual adds and SiLU, then the LM head (bench/decode.py's matmul floor),
-             compiled and captured in one CUDA graph: F.linear against `skinny_linear`; --autotune adds
-             F.linear compiled with Inductor's max-autotune (its Triton GEMM templates).
+             compiled and captured in one CUDA graph: F.linear, `skinny_linear`, and F.linear with every
+             layer reading layer 0's weights (`cublas_l2`: the weights stay in L2, so the chain's cost
+             without HBM latency); --autotune adds Inductor's max-autotune (its Triton GEMM templates).
 Timing: CUDA-graph replay, median (`bench/timing.py`). JSON to $OUT/bench_linear.json.
 
     python bench/linear.py [--rows 64 256] [--config DIR] [--sweep] [--autotune]
@@ -24,15 +31,89 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import copy_bandwidth_tbs, time_graph  # noqa: E402
 from bench.workload import qwen_dir  # noqa: E402
-from kernels.linear import BLOCK_K, MAX_SPLITS, choose_tiles, launch_skinny, skinny_linear  # noqa: E402
+from torch.library import wrap_triton  # noqa: E402
+
 from kernels.decode_attention import sm_count  # noqa: E402
 from minigrpo.model.config import ModelConfig  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
+BLOCK_M = 64         # rows per program: a 64-row batch in one tile; fewer rows are masked, not cheaper
+BLOCK_K = 64
+PROGRAMS_PER_SM = 2
+MAX_SPLITS = 8       # Inductor unrolls a reduction of up to 8 into the kernel that reads it
+
+
+@triton.jit
+def _skinny_mm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    m = tl.program_id(0)
+    n = tl.program_id(1)
+    split = tl.program_id(2)
+    rm = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = split * k_per_split + tl.arange(0, BLOCK_K)
+    # K splits evenly into whole blocks (the launcher checks), so only M and N need masks: loads stay
+    # 16-byte vectors along K.
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]                     # (BLOCK_M, BLOCK_K)
+    w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None]                     # (BLOCK_K, BLOCK_N)
+    m_ok = (rm < M)[:, None]
+    n_ok = (rn < N)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, k_per_split, BLOCK_K):
+        x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok, other=0.0)
+        acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = out_ptr + split * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(out, acc, mask=m_ok & n_ok)
+
+
+def choose_tiles(N: int, K: int, sms: int) -> tuple[int, int]:
+    """(BLOCK_N, NS) from the weight's shape alone (so one compiled step serves every batch size): the widest
+    N tile and then the fewest K splits that give PROGRAMS_PER_SM programs per SM for a 64-row batch. At most
+    MAX_SPLITS, so that Inductor unrolls their sum into the next kernel instead of launching a reduction."""
+    want = PROGRAMS_PER_SM * sms
+    block_n = 64 if triton.cdiv(N, 64) >= want else 32
+    tiles = triton.cdiv(N, block_n)
+    k_blocks = K // BLOCK_K
+    splits = [d for d in range(1, MAX_SPLITS + 1) if k_blocks % d == 0]
+    return block_n, next((d for d in splits if tiles * d >= want), splits[-1])
+
+
+def launch_skinny(x: torch.Tensor, w: torch.Tensor, block_n: int = 0, num_splits: int = 0, block_m: int = BLOCK_M,
+                  num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """x (M, K) @ w (N, K).T as fp32 partials (NS, M, N), K a multiple of BLOCK_K. Zeros pick the tiles
+    (`choose_tiles`). The grid's fastest axis is M, so programs sharing a weight tile run together."""
+    M, K = x.shape
+    N = w.shape[0]
+    bn, ns = choose_tiles(N, K, sm_count(x.device))
+    bn, ns = block_n or bn, num_splits or ns
+    if (K // BLOCK_K) % ns:
+        raise ValueError(f"num_splits {ns} must divide K / {BLOCK_K} = {K // BLOCK_K}")
+    out = torch.empty((ns, M, N), dtype=torch.float32, device=x.device)              # (NS, M, N)
+    wrap_triton(_skinny_mm_kernel)[(triton.cdiv(M, block_m), triton.cdiv(N, bn), ns)](
+        x, w, out, M, N, x.stride(0), w.stride(0), K // ns,
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b) through the kernel: the splits summed in fp32, the bias added, one rounding to x's
+    dtype (as cuBLAS's bias epilogue). Compiled, the sum fuses into the kernel that reads it."""
+    y = launch_skinny(x, w).sum(0)                                                    # (M, N) fp32
+    return (y if b is None else y + b).to(x.dtype)
+
+
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -76,8 +157,9 @@ def per_shape(name, N, K, rows, copy_tbs, sweep: bool) -> dict:
     return row
 
 
-def chain_ms(cfg: ModelConfig, rows: int, lin, mode: str | None) -> float:
-    """All layers' matmuls, residual adds and SiLU, then the LM head, compiled, in one graph."""
+def chain_ms(cfg: ModelConfig, rows: int, lin, mode: str | None, one_layer: bool = False) -> float:
+    """All layers' matmuls, residual adds and SiLU, then the LM head, compiled, in one graph. one_layer: every
+    layer uses layer 0's weights (30 MB at 0.5B, inside the H200's L2), so no matmul waits on HBM."""
     L, C, H, Kv, D, Fw, V = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
                              cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -87,7 +169,8 @@ def chain_ms(cfg: ModelConfig, rows: int, lin, mode: str | None) -> float:
     x0 = torch.randn(rows, C, device="cuda", dtype=torch.bfloat16)
 
     def chain(x):
-        for i in range(L):
+        for layer in range(L):
+            i = 0 if one_layer else layer
             qkv = lin(x, w_qkv[i], b_qkv[i])
             x = x + lin(qkv[:, :H * D], w_o[i])
             gate, up = lin(x, w_gu[i]).chunk(2, dim=-1)
@@ -117,9 +200,12 @@ def main():
             out["shapes"].append(r)
             print(json.dumps(r))
             path.write_text(json.dumps(out, indent=1))
-        for label, lin, mode in [("cublas", F.linear, None), ("skinny", skinny_linear, None)] + \
-                                ([("max_autotune", F.linear, "max-autotune-no-cudagraphs")] if args.autotune else []):
-            r = dict(rows=rows, chain=label, ms=round(chain_ms(cfg, rows, lin, mode), 4))
+        chains = [("cublas", F.linear, None, False), ("cublas_l2", F.linear, None, True),
+                  ("skinny", skinny_linear, None, False)]
+        if args.autotune:
+            chains.append(("max_autotune", F.linear, "max-autotune-no-cudagraphs", False))
+        for label, lin, mode, one_layer in chains:
+            r = dict(rows=rows, chain=label, ms=round(chain_ms(cfg, rows, lin, mode, one_layer), 4))
             out["chains"].append(r)
             print(json.dumps(r))
             path.write_text(json.dumps(out, indent=1))

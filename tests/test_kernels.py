@@ -330,47 +330,6 @@ def test_fused_sample_rejects_bad_input():
         torch.ops.minigrpo.fused_sample(logits, seeds, seeds, 1.0, 1000)
 
 
-# --- skinny matmul (decode-step linears) ---------------------------------------------------------------
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("M, N, K, tiles", [(8, 96, 128, (0, 0)), (64, 72, 256, (0, 0)), (3, 40, 192, (16, 3)),
-                                            (70, 40, 128, (64, 1))], ids=["auto", "64rows", "split3", "two-m-tiles"])
-def test_skinny_mm_partials_sum_to_the_product(M, N, K, tiles, dtype):
-    from kernels.linear import launch_skinny
-    g = torch.Generator().manual_seed(M + N)
-    x = torch.randn(M + 1, K, generator=g).to(dtype).to(DEVICE)[1:]       # an offset view: rows start mid-buffer
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype).to(DEVICE)
-    with nan_filled_empty():
-        parts = launch_skinny(x, w, *tiles)                                # (NS, M, N) fp32
-    assert parts.dtype == torch.float32 and parts.shape[1:] == (M, N) and parts.isfinite().all()
-    ref = x.double() @ w.double().T
-    # fp32 and fp16 inputs multiply exactly into fp32 sums of <= K terms: error ~ K * 2^-24 * |terms|.
-    torch.testing.assert_close(parts.sum(0).double(), ref, atol=K * 2 ** -22, rtol=0)
-
-
-def test_skinny_linear_rounds_once_like_f_linear_and_falls_back():
-    from kernels.linear import skinny_linear, skinny_supported
-    g = torch.Generator().manual_seed(3)
-    x, w, b = (torch.randn(*s, generator=g).to(torch.float16).to(DEVICE) for s in ((5, 128), (48, 128), (48,)))
-    y = skinny_linear(x, w, b)
-    ref = (x.double() @ w.double().T + b.double()).to(torch.float16)       # one rounding of the exact result
-    assert y.dtype == torch.float16
-    assert (y.double() - ref.double()).abs().max() <= ref.double().abs().max() * 2 ** -10  # at most one ulp
-    w_odd = torch.randn(48, 100, generator=g).to(torch.float16).to(DEVICE)  # K not in whole 64-blocks
-    assert not skinny_supported(x[:, :100], w_odd)
-    torch.testing.assert_close(skinny_linear(x[:, :100], w_odd), torch.nn.functional.linear(x[:, :100], w_odd))
-    with pytest.raises(ValueError, match="K a multiple of 64"):
-        torch.ops.minigrpo.skinny_mm(x[:, :100], w_odd)
-
-
-def test_skinny_tiles_fill_the_gpu_at_qwen_shapes():
-    from kernels.linear import MAX_SPLITS, choose_tiles
-    for N, K in [(1152, 896), (896, 896), (9728, 896), (896, 4864), (151_936, 896), (256, 1536), (3584, 18_944)]:
-        block_n, splits = choose_tiles(N, K, 132)
-        assert splits <= MAX_SPLITS and (K // 64) % splits == 0
-        assert -(-N // block_n) * splits >= 132 or splits == max(d for d in range(1, 9) if (K // 64) % d == 0)
-
-
 class _NoLaunch:
     """Stands in for wrap_triton: kernel[grid](...) launches nothing."""
 
@@ -388,10 +347,9 @@ def test_ops_add_no_guard_on_a_symbolic_batch(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    import kernels.linear as kl
     import kernels.rope_store as krs
     import kernels.sample as ks
-    for module in (kda, kl, krs, ks):
+    for module in (kda, krs, ks):
         monkeypatch.setattr(module, "wrap_triton", _NoLaunch)
         monkeypatch.setattr(module, "check_runnable", lambda device: None)
     env = ShapeEnv()
@@ -414,7 +372,6 @@ def test_ops_add_no_guard_on_a_symbolic_batch(monkeypatch):
         krs.rope_store._init_fn(q, k, v, k_pool, v_pool, pos, slots, cos, sin)
         kda.paged_decode_attention._init_fn(q, k_pool, v_pool, table, lens, 0.125, splits)
         ks.fused_sample._init_fn(logits, seeds, ctr, 0.9, 4096)
-        kl.skinny_mm._init_fn(fake(B, 896), fake(1152, 896, batch=False))
         assert env.guards == []
         kda.paged_decode_attention._init_fn(q, k_pool, v_pool, table, lens, 0.125, 0)
         assert env.guards

@@ -13,9 +13,10 @@ For one model config (default Qwen2.5-0.5B) and each batch size given, with bf16
              (F.linear) and for the kernel with its chosen tiles (`choose_tiles`); --sweep also times
              other tile, split and stage counts and prints the best.
   chain      all layers' matmuls with residual adds and SiLU, then the LM head (bench/decode.py's matmul floor),
-             compiled and captured in one CUDA graph: F.linear, `skinny_linear`, and F.linear with every
-             layer reading layer 0's weights (`cublas_l2`: the weights stay in L2, so the chain's cost
-             without HBM latency); --autotune adds Inductor's max-autotune (its Triton GEMM templates).
+             compiled and captured in one CUDA graph: F.linear, `skinny_linear`, F.linear with every layer
+             reading layer 0's weights (`cublas_l2`: the weights stay in L2, so the chain's cost without
+             HBM latency), and `skinny_mlp` (`fused_chain_ms`: one kernel fewer per layer); --autotune adds
+             Inductor's max-autotune (its Triton GEMM templates).
 Timing: CUDA-graph replay, median (`bench/timing.py`). JSON to $OUT/bench_linear.json.
 
     python bench/linear.py [--rows 64 256] [--config DIR] [--sweep] [--autotune]
@@ -51,8 +52,8 @@ MAX_SPLITS = 8       # Inductor unrolls a reduction of up to 8 into the kernel t
 
 @triton.jit
 def _skinny_mm_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, k_per_split,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, k_per_split, up_offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
 ):
     m = tl.program_id(0)
     n = tl.program_id(1)
@@ -69,6 +70,10 @@ def _skinny_mm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, k_per_split, BLOCK_K):
         x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+        if GATED:  # x holds [gate | up]: the MLP's silu(gate) * up, rounded once as Inductor's kernel does
+            g = x.to(tl.float32)
+            u = tl.load(x_ptrs + up_offset, mask=m_ok, other=0.0).to(tl.float32)
+            x = (g * tl.sigmoid(g) * u).to(w_ptr.dtype.element_ty)
         w = tl.load(w_ptrs, mask=n_ok, other=0.0)
         acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K
@@ -90,10 +95,11 @@ def choose_tiles(N: int, K: int, sms: int) -> tuple[int, int]:
 
 
 def launch_skinny(x: torch.Tensor, w: torch.Tensor, block_n: int = 0, num_splits: int = 0, block_m: int = BLOCK_M,
-                  num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+                  num_warps: int = 4, num_stages: int = 4, gated: bool = False) -> torch.Tensor:
     """x (M, K) @ w (N, K).T as fp32 partials (NS, M, N), K a multiple of BLOCK_K. Zeros pick the tiles
-    (`choose_tiles`). The grid's fastest axis is M, so programs sharing a weight tile run together."""
-    M, K = x.shape
+    (`choose_tiles`). The grid's fastest axis is M, so programs sharing a weight tile run together.
+    gated: x is the MLP's gate_up output (M, 2K) and the product is of silu(gate) * up (the down_proj)."""
+    M, K = x.shape[0], w.shape[1]
     N = w.shape[0]
     bn, ns = choose_tiles(N, K, sm_count(x.device))
     bn, ns = block_n or bn, num_splits or ns
@@ -101,8 +107,8 @@ def launch_skinny(x: torch.Tensor, w: torch.Tensor, block_n: int = 0, num_splits
         raise ValueError(f"num_splits {ns} must divide K / {BLOCK_K} = {K // BLOCK_K}")
     out = torch.empty((ns, M, N), dtype=torch.float32, device=x.device)              # (NS, M, N)
     wrap_triton(_skinny_mm_kernel)[(triton.cdiv(M, block_m), triton.cdiv(N, bn), ns)](
-        x, w, out, M, N, x.stride(0), w.stride(0), K // ns,
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages,
+        x, w, out, M, N, x.stride(0), w.stride(0), K // ns, K,
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=BLOCK_K, GATED=gated, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -180,6 +186,36 @@ def chain_ms(cfg: ModelConfig, rows: int, lin, mode: str | None, one_layer: bool
     return time_graph(lambda: fn(x0))
 
 
+def fused_chain_ms(cfg: ModelConfig, rows: int) -> float:
+    """The chain with the kernel where it removes a kernel or wins (session 15's table): o_proj and down_proj
+    through it, their split sums fused into the residual adds, SiLU-and-mul done in down_proj's loads (one
+    kernel fewer per layer); qkv, gate_up and the LM head stay on cuBLAS."""
+    L, C, H, Kv, D, Fw, V = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+                             cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g) * s[-1] ** -0.5  # noqa: E731
+    w_qkv, b_qkv, w_o = w(L, (H + 2 * Kv) * D, C), w(L, (H + 2 * Kv) * D), w(L, C, H * D)
+    w_gu, w_down, head = w(L, 2 * Fw, C), w(L, C, Fw), w(V, C)
+    x0 = torch.randn(rows, C, device="cuda", dtype=torch.bfloat16)
+
+    def chain(x):
+        for i in range(L):
+            qkv = F.linear(x, w_qkv[i], b_qkv[i])
+            x = x + launch_skinny(qkv[:, :H * D], w_o[i]).sum(0).to(x.dtype)
+            gate_up = F.linear(x, w_gu[i])
+            x = x + launch_skinny(gate_up, w_down[i], gated=True).sum(0).to(x.dtype)
+        return F.linear(x, head)
+    fn = torch.compile(chain, fullgraph=True)
+    return time_graph(lambda: fn(x0))
+
+
+def gated_error(x: torch.Tensor, w: torch.Tensor) -> float:
+    """Max |kernel - reference| of down_proj(silu(gate) * up), x = [gate | up] (M, 2K), w (N, K)."""
+    gate, up = x.chunk(2, dim=-1)
+    ref = F.linear((F.silu(gate.float()) * up.float()).to(x.dtype), w).float()
+    return (launch_skinny(x, w, gated=True).sum(0) - ref).abs().max().item()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[64, 256])
@@ -209,6 +245,13 @@ def main():
             out["chains"].append(r)
             print(json.dumps(r))
             path.write_text(json.dumps(out, indent=1))
+        x = torch.randn(rows, 2 * cfg.intermediate_size, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(cfg.hidden_size, cfg.intermediate_size, device="cuda", dtype=torch.bfloat16)
+        r = dict(rows=rows, chain="skinny_mlp", ms=round(fused_chain_ms(cfg, rows), 4),
+                 gated_max_abs_err=gated_error(x, w * cfg.intermediate_size ** -0.5))
+        out["chains"].append(r)
+        print(json.dumps(r))
+        path.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -127,11 +127,42 @@ def test_budget_too_small_for_one_group_is_a_clear_error(model, prompts):
     (dict(prompts=[[1, 999]], G=1, new=4), r"prompt token ids must be in \[0, 256\)"),
     (dict(prompts=[[1]], G=17, new=4), "samples_per_prompt must be in"),
     (dict(prompts=[[1]], G=2, new=4, seeds=[1]), "need one seed per sequence"),
+    (dict(prompts=[[1]], G=1, new=4, stop_ids=(-1,)), r"ids in \[0, 256\)"),  # -1 would match any token
+    (dict(prompts=[[1]], G=1, new=4, stop_ids=((3, 256),)), r"ids in \[0, 256\)"),
+    (dict(prompts=[[1]], G=1, new=4, stop_ids=27), "stop_ids must be a tuple"),
 ])
 def test_bad_requests(model, kwargs, message):
     engine = make_engine(model)
     with pytest.raises(ValueError, match=message):
-        engine.generate(kwargs["prompts"], kwargs["G"], kwargs["new"], GREEDY, seeds=kwargs.get("seeds"))
+        engine.generate(kwargs["prompts"], kwargs["G"], kwargs["new"], GREEDY, stop_ids=kwargs.get("stop_ids", ()),
+                        seeds=kwargs.get("seeds"))
+
+
+def test_bad_engine_config_names_the_field():
+    with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
+        EngineConfig(page_size=0)
+    with pytest.raises(ValueError, match="sync_every must be >= 1, got 0"):
+        EngineConfig(sync_every=0)
+
+
+def test_interrupted_rollout_leaves_the_engine_as_it_found_it(model, prompts, monkeypatch):
+    # Ctrl-C (or any error) in the middle of a rollout: every reserved page goes back and no slot keeps
+    # decoding, so the next rollout on the same engine is the one a fresh engine gives.
+    engine = make_engine(model, attn="sdpa", kv_pages=40)  # room for 2 of the 4 groups at a time
+    run, calls = engine.runner.run, []
+
+    def interrupted(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return run(*args)
+    monkeypatch.setattr(engine.runner, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, G, 20, GREEDY, stop_ids=STOP)
+    assert engine.kv.num_free == engine.kv.capacity
+    assert engine.state.done.all()
+    monkeypatch.setattr(engine.runner, "run", run)
+    assert engine.generate(prompts, G, 20, GREEDY, stop_ids=STOP).tokens == reference(model, prompts).tokens
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa", "triton"])

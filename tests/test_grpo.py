@@ -47,6 +47,15 @@ def test_nonzero_groups_from_equal_binary_rewards():
     assert keep.tolist() == [False] * 16 + [True] * 8
 
 
+def test_equal_fractional_rewards_give_exact_zero_advantages():
+    # In fp32, 0.9 - mean([0.9] * 8) is -6e-8, not 0: such a group would be trained on noise and counted as
+    # informative. Partial-credit rewards (CopyTask's 3/5, 1/6) make these groups common.
+    rewards = torch.tensor([0.9] * 8 + [0.1] * 8 + [1 / 3] * 8 + [0.1] * 7 + [0.6])
+    adv = group_advantages(rewards, 8)
+    assert (adv[:24] == 0).all() and (adv[24:] != 0).all()
+    assert nonzero_groups(adv, 8).tolist() == [False] * 24 + [True] * 8
+
+
 # ---------------------------------------------------------------------------------------------- loss
 
 # Two sequences, 3 tokens, eps = 0.2 (range [0.8, 1.2]), max_new_tokens L = 4, A = [+1, -1].

@@ -1,5 +1,6 @@
 """On-device sampling: the right distribution, the filters, and seeds that do not depend on batch layout."""
 
+import pytest
 import torch
 
 from minigrpo.model.sampling import GREEDY, SAMPLE_CHUNK, SamplingParams, filter_logits, sample, uniform_noise
@@ -81,3 +82,9 @@ def test_a_sequence_samples_the_same_wherever_it_sits_in_the_batch():
 def test_greedy():
     logits = torch.tensor([[0.1, 0.9, 0.3]])
     assert sample(logits, GREEDY, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))[0].item() == 1
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_p=0.0), dict(top_p=1.5), dict(temperature=-1.0), dict(top_k=-1)])
+def test_bad_sampling_params_are_refused(kwargs):
+    with pytest.raises(ValueError, match="sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 0"):
+        SamplingParams(**kwargs)

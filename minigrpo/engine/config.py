@@ -25,8 +25,9 @@ class EngineConfig:
         for name, choices in (("attn", BACKENDS), ("sampler", ("torch", "triton")), ("compile", ("none", "step"))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        if self.sync_every < 1 or self.max_batch < 1 or self.max_seq_len < 2:
-            raise ValueError("sync_every, max_batch must be >= 1 and max_seq_len >= 2")
+        for name, least in (("sync_every", 1), ("max_batch", 1), ("max_seq_len", 2), ("page_size", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if self.buckets and (max(self.buckets) != self.max_batch or sorted(set(self.buckets)) != list(self.buckets)):
             raise ValueError(f"buckets must be increasing and end at max_batch {self.max_batch}, got {self.buckets}")
 

@@ -65,7 +65,7 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], samples_per_prompt: int, max_new_tokens: int,
                  params: SamplingParams, stop_ids=(), seeds: list[int] | None = None) -> Rollout:
-        G, cfg, st = samples_per_prompt, self.cfg, self.state
+        G, st = samples_per_prompt, self.state
         N = len(prompts) * G
         self._check_request(prompts, G, max_new_tokens, stop_ids, seeds)
         seeds = list(seeds) if seeds is not None else list(range(N))
@@ -73,21 +73,39 @@ class Engine:
         rows = [(s,) if isinstance(s, int) else tuple(s) for s in stop_ids]
         st.stops.copy_(torch.tensor([(ANY_TOKEN,) * (STOP_LEN - len(s)) + s for s in rows]
                                     + [(NO_STOP,) * STOP_LEN] * (MAX_STOPS - len(rows))))
+        seq_pages: dict[int, list[int]] = {}  # pages held by each admitted, unfinished sequence
+        try:
+            finished_rows = self._decode_all(prompts, G, max_new_tokens, params, seeds, seq_pages)
+        except BaseException:  # an error or Ctrl-C mid-rollout: leave no page taken and no slot decoding
+            for pages in seq_pages.values():
+                self.kv.release(pages)
+            st.done.fill_(True)
+            raise
+        tokens: list[list[int] | None] = [None] * N
+        logprobs: list[list[float] | None] = [None] * N
+        for seqs, lens, rows_tok, rows_logp in finished_rows:
+            lens = lens.tolist()
+            w = max(lens)  # rows are W = max_seq_len + 1 wide; convert only the columns in use
+            for seq, n_tok, row_tok, row_logp in zip(seqs, lens, rows_tok[:, :w].tolist(), rows_logp[:, :w].tolist()):
+                tokens[seq], logprobs[seq] = row_tok[:n_tok], row_logp[:n_tok]
+        return Rollout(tokens, logprobs)
+
+    def _decode_all(self, prompts, G, max_new_tokens, params, seeds, seq_pages) -> list[tuple]:
+        """The rounds of admission, decoding and collection (module doc) until every sequence has finished.
+        -> (sequence ids, lengths, tokens, log-probs) per sync, gathered on the device."""
+        cfg, st = self.cfg, self.state
         waiting = deque(range(len(prompts)))
         slot_seq: list[int] = []             # host mirror: sequence id of each live slot, in slot order
-        seq_pages: dict[int, list[int]] = {}
-        finished_rows = []  # (sequence ids, lengths, tokens, log-probs) per sync, gathered on the device
+        finished_rows = []
         while waiting or slot_seq:
             admitted = []
             while waiting and len(slot_seq) + G * (len(admitted) + 1) <= cfg.max_batch \
                     and self._pages_for(len(prompts[waiting[0]]), G, max_new_tokens) <= self.kv.num_free:
                 admitted.append(waiting.popleft())  # its pages reserved now: the next candidate sees what is left
                 seq_pages.update(self._reserve(admitted[-1], len(prompts[admitted[-1]]), G, max_new_tokens))
-            if not admitted and not slot_seq:
-                need = self._pages_for(len(prompts[waiting[0]]), G, max_new_tokens)
-                raise OutOfPages(f"one prompt group needs {need} KV pages (prompt {len(prompts[waiting[0]])} tokens,"
-                                 f" {G} samples x {max_new_tokens} new) but the cache has {self.kv.capacity}; "
-                                 f"raise EngineConfig.kv_pages / kv_memory_fraction or lower max_new_tokens")
+            if not admitted and not slot_seq:  # every group fits an empty cache (_check_request): pages leaked
+                raise OutOfPages(f"nothing decoding, yet only {self.kv.num_free} of {self.kv.capacity} KV pages are "
+                                 f"free for the next group")
             if admitted:
                 self._prefill(admitted, prompts, G, max_new_tokens, params, seeds, seq_pages, slot_seq)
             n = len(slot_seq)
@@ -103,14 +121,7 @@ class Engine:
                 keep = [i for i in range(n) if not done[i]]
                 st.compact(torch.tensor(keep, dtype=torch.long, device=self.device), n)
                 slot_seq = [slot_seq[i] for i in keep]
-        tokens: list[list[int] | None] = [None] * N
-        logprobs: list[list[float] | None] = [None] * N
-        for seqs, lens, rows_tok, rows_logp in finished_rows:
-            lens = lens.tolist()
-            w = max(lens)  # rows are W = max_seq_len + 1 wide; convert only the columns in use
-            for seq, n_tok, row_tok, row_logp in zip(seqs, lens, rows_tok[:, :w].tolist(), rows_logp[:, :w].tolist()):
-                tokens[seq], logprobs[seq] = row_tok[:n_tok], row_logp[:n_tok]
-        return Rollout(tokens, logprobs)
+        return finished_rows
 
     def _run_round(self, B: int, n: int, params: SamplingParams) -> list[bool]:
         """`sync_every` decode steps on bucket B -> the done mask of the first n slots, one step stale: it is
@@ -137,14 +148,22 @@ class Engine:
         if longest + max_new_tokens > self.cfg.max_seq_len:
             raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the engine's "
                              f"max_seq_len {self.cfg.max_seq_len}; raise EngineConfig.max_seq_len")
-        if len(stop_ids) > MAX_STOPS or any(not isinstance(s, int) and not 0 < len(s) <= STOP_LEN for s in stop_ids):
-            raise ValueError(f"at most {MAX_STOPS} stop ids or token sequences of 1 to {STOP_LEN} tokens, got "
-                             f"{stop_ids}")
+        vocab = self.model_cfg.vocab_size
+        rows = [(s,) if isinstance(s, int) else s for s in stop_ids] if isinstance(stop_ids, (list, tuple)) else None
+        if rows is None or len(rows) > MAX_STOPS or not all(
+                isinstance(r, (list, tuple)) and 0 < len(r) <= STOP_LEN
+                and all(isinstance(t, int) and 0 <= t < vocab for t in r) for r in rows):
+            raise ValueError(f"stop_ids must be a tuple of at most {MAX_STOPS} token ids or token sequences of 1 to "
+                             f"{STOP_LEN} tokens, ids in [0, {vocab}); got {stop_ids!r}")
         if seeds is not None and len(seeds) != len(prompts) * G:
             raise ValueError(f"need one seed per sequence ({len(prompts) * G}), got {len(seeds)}")
-        vocab = self.model_cfg.vocab_size
         if any(t < 0 or t >= vocab for p in prompts for t in p):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        need, longest_group = max((self._pages_for(len(p), G, max_new_tokens), len(p)) for p in prompts)
+        if need > self.kv.capacity:  # checked now, not after decoding every group that does fit
+            raise OutOfPages(f"one prompt group needs {need} KV pages (prompt {longest_group} tokens, {G} samples x "
+                             f"{max_new_tokens} new) but the cache has {self.kv.capacity}; raise "
+                             f"EngineConfig.kv_pages / kv_memory_fraction or lower max_new_tokens")
 
     def _reserve(self, group: int, prompt_len: int, G: int, max_new: int) -> dict[int, list[int]]:
         """Pages for one group: the full prompt pages shared G ways, then each sample's private tail."""

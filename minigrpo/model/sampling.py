@@ -31,6 +31,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k filter
 
+    def __post_init__(self):
+        if not (self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0):
+            raise ValueError(f"sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 0; got temperature "
+                             f"{self.temperature}, top_p {self.top_p}, top_k {self.top_k}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -10,6 +10,10 @@ import torch
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # TrainConfig.weights -> the policy's dtype
 PARALLEL = ("ddp", "fsdp")  # TrainConfig.parallel: under torchrun, weights replicated or sharded over ranks
 CHOICES = {"weights": tuple(WEIGHT_DTYPES), "parallel": PARALLEL, "lr_schedule": ("constant", "cosine")}
+# StochasticAdamW forms w * (1 - lr * wd) in fp32 (spacing 2^-24 near 1) and rounds to bf16 with 16 noise bits
+# (2^-24 of a weight): a smaller per-step decay is lost in whole or in part (1e-7 came out 20% off on the CPU,
+# 1e-8 wholly lost); 1e-6 came out 4% off.
+MIN_BF16_DECAY = 1e-6
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,11 @@ class TrainConfig:
             raise ValueError(f"need 0 < eps < 1 and eps_high > 0, got eps={self.eps}, eps_high={self.eps_high}")
         if not 0 < self.lr < 1:  # AdamW moves every weight by up to ~lr per step: 1 erases a model at once
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")
+        if self.weights == "bf16" and 0 < self.lr * self.weight_decay < MIN_BF16_DECAY:
+            raise ValueError(f"weight_decay {self.weight_decay} at lr {self.lr} shrinks bf16 parameters by "
+                             f"{self.lr * self.weight_decay:.1e} per step, below the {MIN_BF16_DECAY:.0e} that their "
+                             f"fp32 update and 16-bit stochastic rounding carry (it would be lost, wholly or in part): "
+                             f"use weights fp32, or weight_decay 0 or >= {MIN_BF16_DECAY / self.lr:g}")
         if self.eval_temperature < 0 or (self.eval_samples > 1 and self.eval_temperature == 0):
             raise ValueError(f"eval_samples={self.eval_samples} needs eval_temperature > 0 (greedy samples are copies "
                              f"of one completion), and eval_temperature must be >= 0; got {self.eval_temperature}")

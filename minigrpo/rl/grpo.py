@@ -20,11 +20,14 @@ import torch
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """A_i = r_i - mean of r over i's group. No division by the group std (see module docstring)."""
+    """A_i = r_i - mean of r over i's group. No division by the group std (see module docstring).
+    A group of equal rewards gets exact zeros: r - mean(r) in floating point is not exactly 0 for rewards
+    such as 0.1 or 1/3, and `nonzero_groups` must see such a group as the no-signal group it is."""
     if not rewards.is_floating_point():
         rewards = rewards.float()
     r = rewards.view(-1, group_size)  # (B, G)
-    return (r - r.mean(dim=1, keepdim=True)).view(-1)  # (N,)
+    spread = r.amax(dim=1, keepdim=True) > r.amin(dim=1, keepdim=True)  # (B, 1)
+    return torch.where(spread, r - r.mean(dim=1, keepdim=True), 0.0).view(-1)  # (N,)
 
 
 def nonzero_groups(adv: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -57,7 +60,9 @@ def dr_grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, 
     logp, old_logp, ref_logp: (N, C) fp32 log-probs of the sampled tokens under the current policy (with
       grad), the policy that sampled them, and the frozen reference. adv: (N,). mask: (N, C).
     eps_low / eps_high: clip range [1 - eps_low, 1 + eps_high]; eps_high None = eps_low (DAPO's clip-higher).
-    beta: weight of the per-token k3 KL exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0); 0: none.
+    beta: weight of the per-token k3 KL exp(ref - logp) - (ref - logp) - 1; 0: none. As a value it is an
+      unbiased, >= 0 estimate of KL(pi || ref); as a loss on tokens sampled from pi its expected gradient is
+      that of KL(ref || pi) (as in GRPO, which uses it the same way).
     max_new_tokens L: the loss is sum(token losses * mask) / (num_sequences * L). num_sequences: default N;
       a call that sees part of the batch (a micro-batch, or rows dropped by nonzero_groups) passes the full
       batch's, so that the parts sum to the full-batch loss and gradient.

@@ -22,6 +22,8 @@ from minigrpo.tasks.verifier import extract_answer, is_correct, normalize_number
         ("#### 5\nthen \\boxed{6}", "6"),  # boxed beats ####
         ("48 / 2 = 24 clips, so 72 in total.", "72"),  # last number
         ("The answer is -3.", "-3."),
+        ("The answer is \u22123.", "-3."),  # unicode minus kept on the last-number path
+        ("Total: -$5", "-$5"),  # so is a sign before "$"
         ("no digits at all", None),
         ("", None),
     ],
@@ -57,6 +59,10 @@ def test_extract_answer(text, expected):
         ("\\frac34", 0.75),
         ("1{,}000", 1000.0),
         ("90^\\circ", 90.0),
+        ("-\\$5", -5.0),
+        ("**18**", 18.0),
+        ("60 km/h", 60.0),
+        ("3 half-hours", 3.0),
         ("", None),
         ("abc", None),
         ("nan", None),
@@ -111,6 +117,53 @@ def test_correct(text, truth):
 )
 def test_wrong(text, truth):
     assert not is_correct(text, truth)
+    assert reward(text, truth) == 0.0
+
+
+@pytest.mark.parametrize(
+    "text, truth, expected",
+    [
+        ("The answer is \u22125.", "5", 0.0),  # unicode minus on the last-number path
+        ("The answer is \u22125.", "-5", 1.0),
+        ("Total: -$5", "5", 0.0),  # a sign before "$" is not dropped
+        ("He lost -$5", "-5", 1.0),
+        ("She ends with \u2212$20", "-20", 1.0),
+        ("\\boxed{-\\$5}", "-5", 1.0),
+        ("\\boxed{-\\$5}", "5", 0.0),
+    ],
+)
+def test_sign_is_kept_before_currency_and_unicode_minus(text, truth, expected):
+    assert reward(text, truth) == expected
+
+
+@pytest.mark.parametrize(
+    "text, truth",
+    [
+        ("#### **18**", "18"),  # markdown bold
+        ("The answer is **18** dollars.", "18"),
+        ("#### 60 km/h", "60"),  # "/" and "-" inside a unit or word are not arithmetic
+        ("\\boxed{60 \\text{ km/h}}", "60"),
+        ("#### 3 half-hours", "3"),
+    ],
+)
+def test_markdown_and_units_around_the_number(text, truth):
+    assert is_correct(text, truth)
+    assert reward(text, truth) == 1.0
+
+
+@pytest.mark.parametrize(
+    "text, truth",
+    [
+        ("#### 3/4 + 1", "1.75"),  # an unevaluated expression is not its value ...
+        ("#### 3/4 + 1", "0.75"),  # ... nor its first number
+        ("#### 5-2", "3"),
+        ("#### 5-2", "5"),
+        ("#### 2*x*y", "2"),  # a product, not markdown emphasis
+        ("#### x-5", "5"),
+        ("#### 5/x", "5"),
+    ],
+)
+def test_expressions_are_still_not_numbers(text, truth):
     assert reward(text, truth) == 0.0
 
 

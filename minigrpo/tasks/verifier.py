@@ -2,7 +2,9 @@
 
 The reward is RL's only signal, so it is boring and robust: it never raises or hangs on any string the
 policy can emit (linear-time regexes, capped inputs); it compares numbers, not strings ("$1,000.00",
-"1000" and "\\boxed{1000 \\text{ dollars}}" agree); an ambiguous answer ("5 or 6") is wrong.
+"1000" and "\\boxed{1000 \\text{ dollars}}" agree); an ambiguous answer ("5 or 6") is wrong. A sign is never
+lost ("\u22125", "-$5" are -5), and markdown or unit words around the number ("**18**", "60 km/h") are not
+mistaken for arithmetic, while an unevaluated expression ("3/4 + 1", "5-2") is still not a number.
 """
 
 from __future__ import annotations
@@ -21,18 +23,25 @@ _HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
 # A plain decimal: "1000", "1,000", "1,000.50", "3.", ".5". Thousands groups must be exactly 3 digits,
 # so a list like "1,2,3" reads as three numbers rather than 123.
 _DECIMAL = r"(?:\d+(?:,\d{3})*(?:\.\d*)?|\.\d+)"
-# A sign only counts when it is not a binary minus ("5-3" is not the number -3).
-_SIGNED = r"(?:(?<![\w)\]}])[-+])?" + _DECIMAL
+# A sign only counts when it is not a binary minus ("5-3" is not the number -3); it may precede a currency
+# sign ("-$5", "-\\$5" are -5), so the last-number fallback does not drop it.
+_SIGNED = r"(?:(?<![\w)\]}])[-+](?:\\?\$)?)?" + _DECIMAL
 _NUMBER = re.compile(_SIGNED + r"(?:\s*/\s*" + _SIGNED + r")?")  # optionally a fraction a/b
 
 _FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _FRAC_DIGITS = re.compile(r"\\[dt]?frac\s*(\d)\s*(\d)")  # LaTeX shorthand: \frac34 = 3/4
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
 # LaTeX spacing / decoration that carries no value: \, \! \; \: "\ " \left \right ^\circ and friends.
-_LATEX_NOISE = re.compile(r"\\[,!;: ]|\\(?:left|right|displaystyle|quad|qquad)\b|\^\s*\{?\\circ\}?|\\%|\\\$")
+# (\$ is not noise but a dollar sign: turned into "$" and dropped with it, so "-\$5" keeps its sign.)
+_LATEX_NOISE = re.compile(r"\\[,!;: ]|\\(?:left|right|displaystyle|quad|qquad)\b|\^\s*\{?\\circ\}?|\\%")
+# Markdown emphasis around a span ("**18**", "*18* km"): the stars are not products. Not when glued to a
+# word on the outside, so "2*x*y" stays an expression.
+_MARKDOWN_EMPHASIS = re.compile(r"(?<![\w*])(\*{1,3})(?=\S)([^*]+?)(?<=\S)\1(?![\w*])")
 _UNICODE_MINUS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2014": "-", "\ufe63": "-", "\uff0d": "-"})
 # Left over after the number is removed, any of these means the answer is an expression, not a number.
-_OPERATOR_LEFTOVER = re.compile(r"[-+*/^×÷\\]")
+# "-" and "/" between two letters are part of a word or unit ("half-hours", "km/h"), not arithmetic.
+_LETTER = r"[^\W\d_]"
+_OPERATOR_LEFTOVER = re.compile(r"[+*^×÷\\]|(?<!" + _LETTER + r")[-/]|[-/](?!" + _LETTER + r")")
 
 
 def last_boxed(text: str) -> str | None:
@@ -64,21 +73,23 @@ def extract_answer(text: str) -> str | None:
     hashes = [h for m in _HASH_ANSWER.finditer(text) if (h := m.group(1).strip())]
     if hashes:
         return hashes[-1]
-    numbers = _NUMBER.findall(text)
+    numbers = _NUMBER.findall(text.translate(_UNICODE_MINUS))  # "\u22125" is -5 here too, not 5
     return numbers[-1] if numbers else None
 
 
 def normalize_number(s: str | None) -> float | None:
     """Parse a final answer into a float, or None if it is not exactly one finite number.
     Accepts: "1,000.50", "$5", "50%", "+3", "\u22124", "18 dollars", "x = 5", "3/4", "-\\frac{1}{2}",
-    "10 \\text{ cups}", "\\$1{,}000". Rejects: "nan", "inf", "1e999" (2 numbers), "5 or 6", "2^3", "5\\pi"."""
+    "10 \\text{ cups}", "\\$1{,}000", "-\\$5", "**18**", "60 km/h". Rejects: "nan", "inf", "1e999" (2 numbers),
+    "5 or 6", "2^3", "5\\pi", "5-2", "2*x*y"."""
     if not isinstance(s, str) or len(s) > MAX_ANSWER_CHARS:
         return None
     s = s.translate(_UNICODE_MINUS)
+    s = _MARKDOWN_EMPHASIS.sub(r"\2", s)
     s = _FRAC.sub(r"(\1)/(\2)", s)
     s = _FRAC_DIGITS.sub(r"\1/\2", s)
     s = _TEXT_WRAPPER.sub(r" \1 ", s)
-    s = _LATEX_NOISE.sub(" ", s)
+    s = _LATEX_NOISE.sub(" ", s).replace("\\$", "$")
     s = s.replace("{,}", ",")  # LaTeX thousands separator 1{,}000
     s = s.rsplit("=", 1)[-1]  # "x = 5": the value is what follows the last "="
     # Braces and brackets are only grouping once \frac / \text are gone: "(3)/(4)" -> "3/4", "-(3)" -> "-3".

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import random
 import re
 import shlex
@@ -45,7 +46,7 @@ from minigrpo.rl.loop import run
 from minigrpo.rl.memory import estimate, leaner
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import latest_name, remove_stale_temps
-from minigrpo.run.run_dir import check_out, move_aside
+from minigrpo.run.run_dir import check_out, lock_out, move_aside
 from minigrpo.run.stopping import Interrupted, NonFiniteError, nonfinite
 from minigrpo.tasks.qa import SOURCES
 from minigrpo.tasks.task import prompt_budget
@@ -439,21 +440,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"error: cannot join the torchrun process group: {e}", file=sys.stderr)
         return 2
-    rc = 1
+    rc, locks = 1, []
     try:
-        rc = _train(args, dist, out, argv)
+        rc = _train(args, dist, out, argv, locks)
         return rc
     except KeyboardInterrupt:  # while loading: nothing was trained, nothing needs saving
         print("interrupted before training started", file=sys.stderr)
         return 130
     finally:
+        for fd in locks:
+            os.close(fd)
         distributed.shutdown(dist, together=rc == 0)
 
 
-def _train(args, dist, out: Path, argv: list[str]) -> int:
+def _train(args, dist, out: Path, argv: list[str], locks: list[int]) -> int:
+    """Build, resume and run; `locks` gets the run folder's locks (`lock_out`), which the caller releases."""
     try:
         if dist.is_main:
+            locks.append(lock_out(out))
             aside = move_aside(out) if args.overwrite else None
+            if aside:
+                locks.append(lock_out(out))  # the new, empty folder
             remove_stale_temps(out / "checkpoints")  # an interrupted save's leftovers
             print(f"run folder: {out}" + (f" (the run that was there is now {aside})" if aside else ""),
                   file=sys.stderr)
@@ -493,6 +500,10 @@ def _train(args, dist, out: Path, argv: list[str]) -> int:
             resume = f"; resume with: {resume_command(argv)}" if latest_name(out / "checkpoints") else ""
             print(f"stopped at once; {_last_checkpoint(out)}{resume}", file=sys.stderr)
         return 130
+    except OSError as e:  # a full disk or a lost mount mid-run: saves are atomic, so the last complete one stands
+        if dist.is_main:
+            print(f"error: {e}; {_last_checkpoint(out)}", file=sys.stderr)
+        return 1
     if history and dist.is_main:
         first, last = history[0], history[-1]
         print(f"done: {len(history)} steps, reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}; "

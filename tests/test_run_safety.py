@@ -227,6 +227,66 @@ def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(tmp_path):
     assert state["step"] == 1
 
 
+SLOW_EVAL = """
+import sys, time, train
+import minigrpo.rl.loop as loop
+evaluate = loop._evaluate
+def slow(t, logger):  # the step-0 evaluation takes long enough for a Ctrl-C to land inside it
+    print(f"evaluating at step {t.step_idx}", file=sys.stderr, flush=True)
+    time.sleep(1.0)
+    return evaluate(t, logger)
+loop._evaluate = slow
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_in_the_first_evaluation_saves_step_0_and_the_run_resumes(tmp_path):
+    # The default run evaluates before step 1: a Ctrl-C there saves step 0, and resuming it once made the logger
+    # take the run for a fresh one and refuse its own metrics.jsonl.
+    out, log = tmp_path / "run", tmp_path / "log"
+    args = [*SMALL[1:], "--eval-every", "2", "--eval-limit", "4", "--steps", "3", "--out", str(out)]
+    proc = start(["-c", SLOW_EVAL, *args], log)
+    assert wait_for("evaluating at step 0", log, proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    assert latest_step(out) == 0 and steps(out) == [0]
+    resumed = run([*SMALL[:1], *args, "--resume"])
+    assert resumed.returncode == 0 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    assert steps(out) == [0, 1, 2, 3]  # step 0's evaluation once: it is not run again
+
+
+def test_a_refused_resume_changes_nothing(tmp_path):
+    out = tmp_path / "run"
+    assert run([*SMALL, "--steps", "4", "--save-every", "2", "--out", str(out)]).returncode == 0
+    refused = run([*SMALL, "--steps", "2", "--out", str(out), "--resume", str(out / "checkpoints" / "step_000002")])
+    assert refused.returncode == 2 and "nothing to train" in refused.stderr.splitlines()[-1]
+    assert latest_step(out) == 4 and steps(out) == [1, 2, 3, 4]  # `latest` and the logs as they were
+
+
+def test_a_second_run_into_a_running_out_is_refused(tmp_path):
+    # A requeued job started while the first still runs would interleave both runs' records.
+    out, log = tmp_path / "run", tmp_path / "log"
+    proc = start(["-c", STALL, *SMALL[1:], "--steps", "5", "--save-every", "1", "--out", str(out)], log)
+    try:
+        assert wait_for("stalling in step 2", log, proc)
+        second = run([*SMALL, "--steps", "5", "--out", str(out), "--resume"])
+        assert second.returncode == 2 and "Traceback" not in second.stderr
+        assert second.stderr.splitlines()[-1] == (f"error: another process is running in --out {out}; wait for it "
+                                                  f"to end, or choose another --out")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_unreadable_trainer_state_is_one_line(tmp_path):
+    out = tmp_path / "run"
+    assert run([*SMALL, "--steps", "1", "--out", str(out)]).returncode == 0
+    (out / "checkpoints" / "step_000001" / "trainer_state.pt").write_bytes(b"")  # a save cut short by a full disk
+    resumed = run([*SMALL, "--steps", "2", "--out", str(out), "--resume"])
+    assert resumed.returncode == 2 and "Traceback" not in resumed.stderr
+    assert "trainer_state.pt cannot be read" in resumed.stderr.splitlines()[-1]
+
+
 POISON = """
 import sys, torch, train
 step = torch.optim.AdamW.step

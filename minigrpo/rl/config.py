@@ -82,6 +82,8 @@ class TrainConfig:
                      "keep_checkpoints", "sample_every", "num_samples", "kl_beta", "weight_decay", "max_grad_norm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2 ** 32:  # what numpy's global seed takes
+            raise ValueError(f"seed must be in [0, 2^32), got {self.seed}")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

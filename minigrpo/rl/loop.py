@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from minigrpo.rl.evaluate import decoded, evaluate
 from minigrpo.rl.trainer import Trainer
+from minigrpo.run.checkpoints import set_latest
 from minigrpo.run.metrics import MetricsLogger
 from minigrpo.run.stopping import Interrupted, NonFiniteError, StopSignals, nonfinite
 
@@ -18,14 +19,19 @@ def run(trainer: Trainer) -> list[dict]:
     """Train until cfg.steps; returns the step records. Raises `Interrupted` on SIGINT / SIGTERM (after the step
     and a checkpoint) and `NonFiniteError` on a NaN or inf loss or weight (before saving them)."""
     t, cfg, main = trainer, trainer.cfg, trainer.dist.is_main
+    resumed = t.resumed_from is not None
+    if main and resumed:  # one of this run's own checkpoints rewinds the run to it: `latest` and the logs
+        own = t.out_dir / "checkpoints"
+        if t.resumed_from.parent.resolve() == own.resolve():
+            set_latest(own, t.resumed_from.name)
     logger = MetricsLogger(t.out_dir, tensorboard=t.tensorboard, echo=t.echo,
-                           resume_step=t.step_idx if t.step_idx else None) if main else None
+                           resume_step=t.step_idx if resumed else None) if main else None
     evaluating = t.eval_task is not None and cfg.eval_every
     history = []
     bar = tqdm(total=cfg.steps, initial=t.step_idx, desc="train", unit="step", disable=None if main else True)
     try:
         with bar, StopSignals() as signals:
-            if evaluating and t.step_idx == 0:
+            if evaluating and t.step_idx == 0 and not resumed:  # resumed at 0: that evaluation was logged
                 record = {"step": 0, **_evaluate(t, logger)}
                 if main:
                     logger.log(record)

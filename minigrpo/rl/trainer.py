@@ -38,7 +38,7 @@ from minigrpo.rl.grpo import dr_grpo_loss, group_advantages, nonzero_groups, tru
 from minigrpo.rl.optim import StochasticAdamW
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.rl.step_metrics import UpdateSums, mismatch_metrics, rollout_metrics, speed_and_memory
-from minigrpo.run.checkpoints import load_checkpoint, resolve_checkpoint, save_checkpoint, set_latest
+from minigrpo.run.checkpoints import load_checkpoint, resolve_checkpoint, save_checkpoint
 from minigrpo.run.metrics import PhaseTimer
 from minigrpo.run.stopping import NonFiniteError, nonfinite
 
@@ -109,6 +109,7 @@ class Trainer:
         # after GradSync: FSDP replaces the parameters by their shards
         self.optimizer = adamw(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.step_idx = 0
+        self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
         self.last_rollout: dict | None = None  # the latest step's prompts, completions and rewards
 
     # ------------------------------------------------------------------------------------------- one step
@@ -332,8 +333,8 @@ class Trainer:
         return self.out_dir / "checkpoints" / f"step_{self.step_idx:06d}"
 
     def resume(self, path: str | Path) -> None:
-        """Continue from a checkpoint (its directory, or a run directory's newest). One of this run's own folder
-        rewinds the run to it: `latest` names it again."""
+        """Continue from a checkpoint (its directory, or a run directory's newest). Nothing on disk changes until
+        training starts (`loop.run` rewinds the logs and `latest` to it), so a refused resume changes nothing."""
         ckpt = resolve_checkpoint(path)
         state = load_checkpoint(ckpt, self.model, self.device)
         saved = state["config"]
@@ -353,6 +354,4 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.step_idx = state["step"]
         self.backend.load_weights(self.model)
-        own = self.out_dir / "checkpoints"
-        if self.dist.is_main and ckpt.parent.resolve() == own.resolve():
-            set_latest(own, ckpt.name)
+        self.resumed_from = ckpt

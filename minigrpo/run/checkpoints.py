@@ -108,4 +108,11 @@ def load_checkpoint(path: str | Path, model, device: str | torch.device) -> dict
                          f"(checkpoint vs now: {', '.join(differ)}); resume with the model it was trained from")
     saved = load_model(path / "model", dtype=next(model.parameters()).dtype, device=device)
     set_model_state_dict(model, saved.state_dict(), options=StateDictOptions(full_state_dict=True))
-    return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        if not {"config", "optimizer", "sampler", "step"} <= state.keys():
+            raise KeyError(sorted(state))
+    except Exception as e:  # truncated, not a torch file, or not ours: the message names the file, not the parser
+        raise ValueError(f"{path / STATE_FILE} cannot be read ({type(e).__name__}: {e}); resume from another "
+                         f"checkpoint") from e
+    return state

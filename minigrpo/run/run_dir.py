@@ -1,12 +1,14 @@
 """A run's output folder (--out): no command deletes another run's files, or mixes two runs in one folder.
 
-A folder "holds a run" once it has any of RUN_FILES. A new run into it is refused unless it continues that
+A folder "holds a run" once it has any of RUN_FILES. While a run writes to it, it holds a lock on it (`lock_out`),
+so a second run into the same folder (a job requeued while the first still runs) is refused. A new run into it is refused unless it continues that
 run (--resume) or moves it aside to `<out>.old-<time>` (--overwrite, which deletes nothing); so is resuming
 a checkpoint from elsewhere into it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 from pathlib import Path
@@ -24,6 +26,9 @@ def check_out(out: Path, *, resume: str | None, overwrite: bool) -> None:
     `resume` is --resume's value: None without the flag, "" for the newest checkpoint in `out`."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder; choose another --out")
+    above = next((p for p in out.absolute().parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ValueError(f"--out {out} lies under {above}, which is a file, not a folder; choose another --out")
     found = run_files(out)
     resumes_out = resume == "" or (resume is not None and Path(resume).resolve().is_relative_to(out.resolve()))
     if overwrite and resumes_out:
@@ -48,3 +53,17 @@ def move_aside(out: Path) -> Path | None:
         aside = out.with_name(f"{out.name}.old-{stamp}-{n}")
     os.rename(out, aside)
     return aside
+
+
+def lock_out(out: Path) -> int:
+    """Create `out` if needed and lock it for the rest of this process (the lock ends with it): another process
+    holding it is running there, and one writing beside it would interleave the two runs' records. Returns the
+    locked descriptor."""
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"another process is running in --out {out}; wait for it to end, or choose another --out")
+    return fd

@@ -64,6 +64,8 @@ def test_help_documents_every_flag_and_each_default_once():
     (["--lr", "inf"], "--lr must be a finite number, got inf"),
     (["--beta", "nan"], "--beta must be a finite number, got nan"),
     (["--lr=-1e-3"], "--lr must be in (0, 1), got -0.001"),
+    (["--seed", "-1"], "--seed must be in [0, 2^32), got -1"),
+    (["--preset", "smoke", "--out", "README.md/run"], "README.md, which is a file, not a folder; choose another --out"),
     (["--weights", "bf16", "--weight-decay", "0.01"], "--weight-decay 0.01 at --lr 1e-06 shrinks bf16 parameters by "
      "1.0e-08 per step, below the 1e-06 that their fp32 update and 16-bit stochastic rounding carry (it would be "
      "lost, wholly or in part): use --weights fp32, or --weight-decay 0 or >= 1"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -21,12 +22,43 @@ from minigrpo.model.checkpoint import load_model
 from minigrpo.model.tokenizer import Tokenizer
 from minigrpo.rl import distributed
 from minigrpo.rl.evaluate import decoded, evaluate
+from minigrpo.run.cli import OneLineParser, parse_device
 from minigrpo.tasks.task import load_task, prompt_budget
 from train import add_task_flags, resolve_model_dir
 
 
+def check_out(p: argparse.ArgumentParser, out: Path, overwrite: bool) -> None:
+    """A one-line error, before anything is evaluated, where the results could not be written to `out`."""
+    if out.is_dir():
+        p.error(f"--out {out} is a directory; give a file path, e.g. {out / 'eval.jsonl'}")
+    parent = out.parent
+    if not parent.is_dir():
+        p.error(f"--out {out}: {parent} is not an existing directory; create it first or choose another --out")
+    if out.is_file() and not overwrite:
+        p.error(f"--out {out} already exists; pass --overwrite to replace it, or choose another --out")
+    if (out.is_file() or not out.exists()) and not os.access(parent, os.W_OK | os.X_OK):  # the temporary file
+        p.error(f"--out {out}: cannot write in {parent}; choose another --out")
+
+
+def write_records(out: Path, lines: list[str]) -> None:
+    """Write `lines` to `out` whole or not at all: a temporary file beside it, renamed over it. A special file
+    that exists (/dev/stdout, a pipe) is written to directly."""
+    if out.exists() and not out.is_file():
+        with open(out, "w") as fh:
+            fh.writelines(lines)
+        return
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # same folder: the rename is atomic
+    try:
+        with open(tmp, "w") as fh:
+            fh.writelines(lines)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=None,
                    help="HF model directory to evaluate (default: weights/download.py's directory, downloaded "
                         "when missing)")
@@ -44,7 +76,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device (default: cuda if available)")
     p.add_argument("--out", type=Path, default=None, help="write one JSON line per example (completions, verdicts)")
+    p.add_argument("--overwrite", action="store_true", help="replace an --out file that already exists")
     args = p.parse_args(argv)
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    parse_device(p, args.device)
+    if args.out is not None:
+        check_out(p, args.out, args.overwrite)
     if args.limit is not None and args.limit < 1:
         p.error(f"--limit must be >= 1, got {args.limit}")
     if args.eval_samples < 1 or args.eval_temperature < 0 or not math.isfinite(args.eval_temperature):
@@ -70,16 +110,22 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {e}") from None
     res = evaluate(backend, task, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
                    samples=args.eval_samples, temperature=args.eval_temperature, seed=args.seed, dist=dist)
+    failed = None
     if dist.is_main:
-        if args.out is not None:
-            args.out.write_text("".join(json.dumps(r) + "\n" for r in decoded(res["records"], tokenizer.decode)))
         k = args.eval_samples
         scores = (f"greedy accuracy {res['accuracy']:.4f}" if k == 1 else
                   ", ".join(f"{key} {res[key]:.4f}" for key in res if key.startswith(("mean@", "pass@"))))
         print(f"{scores} on {res['n']} {args.task} test examples ({args.template} template; mean length "
               f"{res['completion_len_mean']:.0f} tokens, {res['truncated_frac']:.1%} truncated, {res['seconds']:.0f}s, "
               f"{res['examples_per_s']:.2f} examples/s)")
+        if args.out is not None:
+            try:
+                write_records(args.out, [json.dumps(r) + "\n" for r in decoded(res["records"], tokenizer.decode)])
+            except OSError as e:  # checked at start; the disk filled up, or the folder went, since
+                failed = f"error: could not write --out {args.out}: {e}"
     distributed.shutdown(dist, together=True)
+    if failed:
+        raise SystemExit(failed)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ resumes it and exits with 130 / 143; a second Ctrl-C stops at once, keeping the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
-import os
 import random
 import re
 import shlex
@@ -46,7 +46,8 @@ from minigrpo.rl.loop import run
 from minigrpo.rl.memory import estimate, leaner
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import latest_name, remove_stale_temps
-from minigrpo.run.run_dir import check_out, lock_out, move_aside
+from minigrpo.run.cli import OneLineParser, parse_device
+from minigrpo.run.run_dir import check_out, locked_out, move_aside
 from minigrpo.run.stopping import Interrupted, NonFiniteError, nonfinite
 from minigrpo.tasks.qa import SOURCES
 from minigrpo.tasks.task import prompt_budget
@@ -81,13 +82,6 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
         if action.default is None or "default" in action.help:
             return action.help
         return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    """Reports a bad flag in one line: the usage of this many flags, printed first, would bury it."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (all flags: --help)\n")
 
 
 def resolve_model_dir(model_dir: str | Path | None) -> Path:
@@ -125,7 +119,7 @@ def add_task_flags(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__, formatter_class=_HelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=_HelpFormatter)
     g = p.add_argument_group("run")
     g.add_argument("--preset", choices=sorted(PRESETS), default="gsm8k",
                    help="gsm8k: a Qwen2.5 model on --task (GSM8K by default); smoke: CPU, tiny random model, "
@@ -241,15 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
-    preset_parser = _Parser(add_help=False)
+    preset_parser = OneLineParser(add_help=False)
     preset_parser.add_argument("--preset", choices=sorted(PRESETS), default="gsm8k")
     preset, _ = preset_parser.parse_known_args(argv)
     parser.set_defaults(**PRESETS[preset.preset])
     args = parser.parse_args(argv)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device {args.device}: not a torch device; use cpu, cuda or cuda:N")
+    device = parse_device(parser, args.device)
     args.attn = args.attn or ("triton" if device.type == "cuda" else "reference")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         parser.error(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
@@ -287,8 +278,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.preset != "gsm8k" and real_only:
         parser.error(f"--preset {args.preset} trains its own tiny random model on its own task; drop "
                      f"{', '.join(real_only)} (or use --preset gsm8k)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available here; use --device cpu")
     if args.tensorboard:
         try:
             importlib.import_module("torch.utils.tensorboard")
@@ -440,27 +429,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"error: cannot join the torchrun process group: {e}", file=sys.stderr)
         return 2
-    rc, locks = 1, []
+    rc = 1
     try:
-        rc = _train(args, dist, out, argv, locks)
+        with contextlib.ExitStack() as locks:
+            rc = _train(args, dist, out, argv, locks)
         return rc
     except KeyboardInterrupt:  # while loading: nothing was trained, nothing needs saving
         print("interrupted before training started", file=sys.stderr)
         return 130
     finally:
-        for fd in locks:
-            os.close(fd)
         distributed.shutdown(dist, together=rc == 0)
 
 
-def _train(args, dist, out: Path, argv: list[str], locks: list[int]) -> int:
-    """Build, resume and run; `locks` gets the run folder's locks (`lock_out`), which the caller releases."""
+def _train(args, dist, out: Path, argv: list[str], locks: contextlib.ExitStack) -> int:
+    """Build, resume and run; rank 0 holds the run folder's locks (`locked_out`) in `locks`, the caller's."""
     try:
         if dist.is_main:
-            locks.append(lock_out(out))
+            locks.enter_context(locked_out(out))
             aside = move_aside(out) if args.overwrite else None
             if aside:
-                locks.append(lock_out(out))  # the new, empty folder
+                locks.enter_context(locked_out(out))  # the new, empty folder
             remove_stale_temps(out / "checkpoints")  # an interrupted save's leftovers
             print(f"run folder: {out}" + (f" (the run that was there is now {aside})" if aside else ""),
                   file=sys.stderr)

@@ -278,6 +278,13 @@ def test_a_second_run_into_a_running_out_is_refused(tmp_path):
         proc.wait()
 
 
+def test_a_start_that_fails_leaves_no_folder_behind(tmp_path):
+    # The run folder is created (and locked) before the model loads; a start refused after that removes it.
+    proc = run(["train.py", "--model-dir", str(tmp_path / "no_model"), "--out", str(tmp_path / "new" / "run")])
+    assert proc.returncode == 2 and "is not a model directory" in proc.stderr.splitlines()[-1]
+    assert not (tmp_path / "new").exists()
+
+
 def test_an_unreadable_trainer_state_is_one_line(tmp_path):
     out = tmp_path / "run"
     assert run([*SMALL, "--steps", "1", "--out", str(out)]).returncode == 0

@@ -65,16 +65,21 @@ def test_help_documents_every_flag_and_each_default_once():
     (["--beta", "nan"], "--beta must be a finite number, got nan"),
     (["--lr=-1e-3"], "--lr must be in (0, 1), got -0.001"),
     (["--seed", "-1"], "--seed must be in [0, 2^32), got -1"),
+    (["--preset", "smoke", "--attn", "sdpa", "--sampler", "triton", "--out", "{tmp}/out"],
+     "--sampler triton runs Triton kernels, which need a CUDA GPU; on the CPU use --sampler torch"),
+    (["--preset", "smoke", "--attn", "sdpa", "--cuda-graphs", "--out", "{tmp}/out"],
+     "--cuda-graphs captures CUDA graphs, which need a CUDA GPU; drop it on the CPU"),
     (["--preset", "smoke", "--out", "README.md/run"], "README.md, which is a file, not a folder; choose another --out"),
     (["--weights", "bf16", "--weight-decay", "0.01"], "--weight-decay 0.01 at --lr 1e-06 shrinks bf16 parameters by "
      "1.0e-08 per step, below the 1e-06 that their fp32 update and 16-bit stochastic rounding carry (it would be "
      "lost, wholly or in part): use --weights fp32, or --weight-decay 0 or >= 1"),
     (["--preset", "smoke", "--out", "README.md"], "--out README.md is a file, not a folder; choose another --out"),
-    (["--preset", "smoke", "--attn", "triton", "--out", "/nonexistent/out"],
+    (["--preset", "smoke", "--attn", "triton", "--out", "{tmp}/out"],
      "--attn triton runs Triton kernels, which need a CUDA GPU; on the CPU use --attn sdpa (or set TRITON_INTERPRET=1 "
      "to run them, slowly, in Triton's interpreter)"),
 ])
-def test_bad_input_gives_a_message_not_a_traceback(args, message):
+def test_bad_input_gives_a_message_not_a_traceback(args, message, tmp_path):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]  # a run folder may be created before the error
     proc = run(["train.py", *args], TRITON_INTERPRET="0")  # the tests' Triton interpreter is off, as for a user
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert message in proc.stderr.splitlines()[-1]

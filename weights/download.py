@@ -5,6 +5,9 @@
     python weights/download.py --random-init --out /tmp/random-qwen         # Qwen2.5-0.5B's shape and tokenizer
     python weights/download.py --random-init --config path/to/config.json --out /tmp/random-qwen   # offline
 
+--random-init refuses an --out that holds files unless --overwrite is given (then it replaces the directory
+once the new one is complete); a download resumes into --out, keeping the files already there.
+
 Only the files a model directory needs are fetched (config, generation config, tokenizer, safetensors),
 not the repository's other formats. A random directory is written with the same saver the trainer uses
 for checkpoints, so every loading path can be exercised without downloading weights: from a local
@@ -14,6 +17,7 @@ config.json, or from --repo's config and tokenizer (a few MB).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +27,7 @@ import torch
 from minigrpo.model.checkpoint import save_model
 from minigrpo.model.config import ModelConfig
 from minigrpo.model.qwen2 import Qwen2ForCausalLM, init_weights
+from minigrpo.run.cli import OneLineParser
 
 DEFAULT_REPO = "Qwen/Qwen2.5-0.5B-Instruct"
 DEFAULT_DIR = Path("checkpoints/qwen2.5-0.5b-instruct")
@@ -53,7 +58,8 @@ def download(repo: str, out: Path, revision: str | None = None, allow: list[str]
 def write_random(config_path: Path, out: Path, seed: int, dtype: torch.dtype,
                  tokenizer_dir: Path | None, device: str = "cpu") -> Path:
     """A model directory with random weights for `config_path`'s architecture (HF's initialiser), drawn on
-    `device` (each device's generator draws other numbers)."""
+    `device` (each device's generator draws other numbers). Written atomically; what `out` held is replaced,
+    so main refuses a non-empty `out` without --overwrite."""
     cfg = ModelConfig.from_json(config_path)
     with torch.device("meta"):  # no default initialisation: init_weights sets every parameter (a 7B in half the time)
         model = Qwen2ForCausalLM(cfg)
@@ -62,8 +68,35 @@ def write_random(config_path: Path, out: Path, seed: int, dtype: torch.dtype,
     return save_model(model.to(dtype), out, tokenizer_dir=tokenizer_dir)
 
 
+def check_out(p: argparse.ArgumentParser, out: Path, random_init: bool, overwrite: bool) -> Path:
+    """`out` as an absolute path, or a one-line error (before any download or drawing) where it cannot be the
+    model directory: a file, under a file, or (for --random-init, without --overwrite) a directory with files."""
+    given, out = out, Path(os.path.abspath(out))  # "x/.." -> its real name: the temporary directories go beside it
+    if not out.name:
+        p.error(f"--out {given}: the root cannot be a model directory; choose another --out")
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {given} is a file, not a directory; choose another --out")
+    parent = next(a for a in out.parents if a.exists())
+    if not parent.is_dir():
+        p.error(f"--out {given}: {parent} is a file, not a directory; choose another --out")
+    if random_init and not overwrite and out.is_dir() and any(out.iterdir()):
+        p.error(f"--out {given} already exists and is not empty; pass --overwrite to replace it (its files are "
+                f"deleted), or choose another --out")
+    return out
+
+
+def check_config(p: argparse.ArgumentParser, config: Path) -> None:
+    """A one-line error where --config is not a readable Qwen2 config.json (or a directory holding one)."""
+    if not config.exists():
+        p.error(f"--config {config}: no such file or directory; pass a config.json (or the directory holding one)")
+    try:
+        ModelConfig.from_json(config)
+    except (OSError, ValueError) as e:
+        p.error(f"--config: {e}")  # the message names the file
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repo", default=DEFAULT_REPO, help=f"Hub repository to download (default {DEFAULT_REPO})")
     p.add_argument("--revision", default=None, help="branch, tag or commit of --repo")
     p.add_argument("--out", type=Path, default=None,
@@ -80,20 +113,34 @@ def main(argv: list[str] | None = None) -> None:
                    help="dtype of the random weights")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where --random-init draws the weights: cuda takes seconds for a 7B model, the CPU minutes")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --random-init: replace an --out that already holds files (they are deleted)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available here; use --device cpu")
+    if args.overwrite and not args.random_init:
+        p.error("--overwrite is for --random-init; a download resumes into --out, keeping the files already there")
     if args.random_init:
         if args.out is None:
             p.error(f"--random-init needs --out DIR: {DEFAULT_DIR} is for the downloaded weights")
+        out = check_out(p, args.out, random_init=True, overwrite=args.overwrite)
+        if args.config is not None:
+            check_config(p, args.config)
+        if args.tokenizer_dir is not None and not args.tokenizer_dir.is_dir():
+            p.error(f"--tokenizer-dir {args.tokenizer_dir} is not a directory; pass the folder holding "
+                    f"tokenizer.json")
         with tempfile.TemporaryDirectory() as tmp:
             config = args.config or download(args.repo, Path(tmp), args.revision, allow=NO_WEIGHTS)
             tok_dir = args.tokenizer_dir or (config if config.is_dir() else config.parent)
-            out = write_random(config, args.out, args.seed, getattr(torch, args.dtype), tok_dir, args.device)
-        print(f"wrote a random-initialised model to {out}")
+            try:
+                write_random(config, out, args.seed, getattr(torch, args.dtype), tok_dir, args.device)
+            except (OSError, ValueError) as e:  # the Hub's config unsupported, --out unwritable, disk full
+                p.exit(1, f"error: {e}\n")
+        print(f"wrote a random-initialised model to {args.out}")
     else:
-        out = download(args.repo, args.out or DEFAULT_DIR, args.revision)
-        print(f"downloaded {args.repo} to {out}")
+        out = check_out(p, args.out or DEFAULT_DIR, random_init=False, overwrite=False)
+        download(args.repo, out, args.revision)
+        print(f"downloaded {args.repo} to {args.out or DEFAULT_DIR}")
 
 
 if __name__ == "__main__":

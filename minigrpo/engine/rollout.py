@@ -57,10 +57,12 @@ def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: st
         return ReferenceBackend(model, pad_id)
     device = next(model.parameters()).device
     on_cuda = device.type == "cuda"
-    triton_flag = "--attn triton" if attn == "triton" else "--sampler triton" if sampler == "triton" else None
-    if triton_flag and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"{triton_flag} runs Triton kernels, which need a CUDA GPU; on the CPU use --attn sdpa "
+    flag, fix = ("--attn triton", "--attn sdpa") if attn == "triton" else ("--sampler triton", "--sampler torch")
+    if "triton" in (attn, sampler) and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{flag} runs Triton kernels, which need a CUDA GPU; on the CPU use {fix} "
                          f"(or set TRITON_INTERPRET=1 to run them, slowly, in Triton's interpreter)")
+    if cuda_graphs and not on_cuda:
+        raise ValueError("--cuda-graphs captures CUDA graphs, which need a CUDA GPU; drop it on the CPU")
     try:  # imported here so the trainer runs (with --attn reference) wherever the engine cannot
         from minigrpo.engine.config import EngineConfig
         from minigrpo.engine.engine import Engine

@@ -1,6 +1,6 @@
 """A run's output folder (--out): no command deletes another run's files, or mixes two runs in one folder.
 
-A folder "holds a run" once it has any of RUN_FILES. While a run writes to it, it holds a lock on it (`lock_out`),
+A folder "holds a run" once it has any of RUN_FILES. While a run writes to it, it holds a lock on it (`locked_out`),
 so a second run into the same folder (a job requeued while the first still runs) is refused. A new run into it is refused unless it continues that
 run (--resume) or moves it aside to `<out>.old-<time>` (--overwrite, which deletes nothing); so is resuming
 a checkpoint from elsewhere into it.
@@ -8,6 +8,7 @@ a checkpoint from elsewhere into it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import time
@@ -55,15 +56,24 @@ def move_aside(out: Path) -> Path | None:
     return aside
 
 
-def lock_out(out: Path) -> int:
-    """Create `out` if needed and lock it for the rest of this process (the lock ends with it): another process
-    holding it is running there, and one writing beside it would interleave the two runs' records. Returns the
-    locked descriptor."""
+@contextlib.contextmanager
+def locked_out(out: Path):
+    """Hold a lock on `out` (created if needed) while inside: another process holding it is running there, and
+    one writing beside it would interleave the two runs' records. Folders created here and left empty (a start
+    that failed) are removed on the way out."""
+    created = [p for p in (out, *out.absolute().parents) if not p.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
     fd = os.open(out, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"another process is running in --out {out}; wait for it to end, or choose another "
+                             f"--out") from None
+        yield
+    finally:
         os.close(fd)
-        raise ValueError(f"another process is running in --out {out}; wait for it to end, or choose another --out")
-    return fd
+        for folder in created:
+            if not folder.is_dir() or any(folder.iterdir()):
+                break
+            folder.rmdir()

@@ -1,0 +1,132 @@
+"""weights/download.py and evaluate.py given bad input, as a user runs them: a one-line error (exit code 2, no
+traceback) before any work, and no file of the user's lost or half-written."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import QWEN_DIR, SHARED_DATA, random_model, tiny_config
+
+from minigrpo.model.checkpoint import load_model, save_model
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K_TEST = SHARED_DATA / "gsm8k" / "test.jsonl"
+
+
+def run(args, cwd=REPO, timeout=120):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, *args], check=False, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def refused(proc, message):
+    """Exit code 2, no traceback, and `message` on the one line of stderr."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_config().to_hf_dict()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_dir(tmp_path_factory):
+    """A random 2-layer model with Qwen2.5's vocabulary and tokenizer files (as in test_train_cli.py)."""
+    if not (QWEN_DIR.exists() and GSM8K_TEST.exists()):
+        pytest.skip(f"shared data not found under {SHARED_DATA}")
+    out = tmp_path_factory.mktemp("tiny_qwen")
+    save_model(random_model(tiny_config(vocab=151936, n_heads=2, n_kv_heads=1, head_dim=8)), out,
+               tokenizer_dir=QWEN_DIR)
+    return out
+
+
+# --- weights/download.py ------------------------------------------------------------------------------------
+
+def test_random_init_keeps_a_non_empty_out_unless_told_to_overwrite(tmp_path, config):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    refused(run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(out)]),
+            f"--out {out} already exists and is not empty; pass --overwrite to replace it")
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+
+    proc = run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(out), "--overwrite"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (out / "notes.txt").exists() and load_model(out, torch.float32).config.num_hidden_layers == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model"]  # no temporary directory left
+
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an empty directory holds nothing to lose: written without --overwrite
+    proc = run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(empty)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (empty / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing config", "--config {tmp}/nope.json: no such file or directory; pass a config.json"),
+    ("malformed config", "--config: {tmp}/bad.json is not valid JSON"),
+    ("invalid config", "--config: {tmp}/bad.json: missing required field(s)"),
+    ("out under a file", "--out {tmp}/afile/sub: {tmp}/afile is a file, not a directory; choose another --out"),
+])
+def test_download_bad_config_or_out_is_one_line(tmp_path, config, case, message):
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "bad.json").write_text("{" if case == "malformed config" else '{"model_type": "qwen2"}')
+    cfg = {"missing config": tmp_path / "nope.json", "malformed config": tmp_path / "bad.json",
+           "invalid config": tmp_path / "bad.json"}.get(case, config)
+    out = tmp_path / ("afile/sub" if case == "out under a file" else "m")
+    refused(run(["weights/download.py", "--random-init", "--config", str(cfg), "--out", str(out)]),
+            message.format(tmp=tmp_path))
+    assert not (tmp_path / "m").exists() and (tmp_path / "afile").read_text() == ""
+
+
+# --- evaluate.py --------------------------------------------------------------------------------------------
+# A model directory that does not exist: each flag must be refused before anything is loaded or evaluated.
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--max-new-tokens=-3"], "--max-new-tokens must be >= 1, got -3"),
+])
+def test_evaluate_refuses_an_empty_batch_or_budget(tmp_path, flags, message):
+    refused(run(["evaluate.py", "--model-dir", str(tmp_path / "no-model"), "--device", "cpu", *flags]), message)
+
+
+@pytest.mark.parametrize("out, message", [
+    ("nodir/e.jsonl", "--out nodir/e.jsonl: nodir is not an existing directory; create it first"),
+    (".", "--out . is a directory; give a file path"),
+    ("old.jsonl", "--out old.jsonl already exists; pass --overwrite to replace it, or choose another --out"),
+])
+def test_evaluate_checks_out_before_evaluating(tmp_path, out, message):
+    (tmp_path / "old.jsonl").write_text("earlier results\n")
+    refused(run([str(REPO / "evaluate.py"), "--model-dir", str(tmp_path / "no-model"), "--device", "cpu",
+                 "--out", out], cwd=tmp_path), message)
+    assert (tmp_path / "old.jsonl").read_text() == "earlier results\n" and not (tmp_path / "nodir").exists()
+
+
+def test_evaluate_out_is_replaced_only_with_overwrite_and_whole(tmp_path, tiny_qwen_dir):
+    out = tmp_path / "eval.jsonl"
+    out.write_text("earlier results\n")
+    common = ["evaluate.py", "--model-dir", str(tiny_qwen_dir), "--test-data", str(GSM8K_TEST), "--limit", "2",
+              "--max-new-tokens", "2", "--device", "cpu", "--out", str(out)]
+    refused(run(common), f"--out {out} already exists; pass --overwrite")
+    assert out.read_text() == "earlier results\n"
+    proc = run([*common, "--overwrite"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [json.loads(ln)["index"] for ln in out.read_text().splitlines()] == [0, 1]
+    assert [p.name for p in tmp_path.iterdir()] == ["eval.jsonl"]  # no temporary file left beside it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_evaluate_on_cuda_without_cuda_says_to_use_the_cpu(tmp_path):
+    refused(run(["evaluate.py", "--model-dir", str(tmp_path / "no-model"), "--device", "cuda"]),
+            "--device cuda: CUDA is not available here; use --device cpu")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import random
 import re
 import shlex
@@ -296,16 +297,23 @@ def flag_names(message: str, parser: argparse.ArgumentParser) -> str:
 
 
 def resume_command(argv: list[str]) -> str:
-    """The command line that resumes this run: its own flags, less --resume / --overwrite, plus --resume."""
+    """The command line that resumes this run: its own flags, less --resume / --overwrite (or a prefix argparse
+    took for one), plus --resume; under torchrun, torchrun with this node's process count."""
+    def means(arg: str, flag: str) -> bool:
+        return len(arg) > 3 and flag.startswith(arg.split("=")[0])
     kept, skip = [], False
     for i, arg in enumerate(argv):
         if skip:
             skip = False
-        elif arg == "--resume":
-            skip = i + 1 < len(argv) and not argv[i + 1].startswith("-")  # its optional value
-        elif not arg.startswith(("--resume=", "--overwrite")):
+        elif means(arg, "--resume"):
+            skip = "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("-")  # its optional value
+        elif not means(arg, "--overwrite"):
             kept.append(arg)
-    return "python " + shlex.join([sys.argv[0], *kept, "--resume"])
+    nodes = int(os.environ.get("WORLD_SIZE", "1")) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    launcher = ("python" if "LOCAL_WORLD_SIZE" not in os.environ else
+                f"torchrun --nproc-per-node {os.environ['LOCAL_WORLD_SIZE']}"
+                + (f" --nnodes {nodes} <your rendezvous flags>" if nodes > 1 else ""))
+    return f"{launcher} " + shlex.join([sys.argv[0], *kept, "--resume"])
 
 
 def build_smoke(args):

@@ -266,3 +266,16 @@ def test_a_run_that_would_not_fit_stops_at_start_naming_a_setting_that_does(tmp_
     assert train.main([*argv, *flags, "--out", str(tmp_path / "b")]) == 0
     assert "memory: about " in capsys.readouterr().err
     assert (tmp_path / "b" / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_resume_command_drops_abbreviated_flags_and_names_torchrun(monkeypatch):
+    # argparse takes "--over" for --overwrite: kept, the printed command would pass --overwrite and --resume.
+    sys.path.insert(0, str(REPO))
+    import train
+
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert train.resume_command(["--over", "--out", "x", "--res", "old"]) == "python train.py --out x --resume"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train.resume_command(["--out", "x"]) == "torchrun --nproc-per-node 2 train.py --out x --resume"

@@ -56,8 +56,9 @@ def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, entropy
                      cap: float, dist: Dist) -> dict:
     """The policy before the update (pi_old) against the sampler (pi_rollout) on the trained tokens, (n, C)
     each, over all ranks: mean and max |log-prob difference|, k3 KL(pi_rollout || pi_old) (r - 1 - log r with
-    r = pi_old / pi_rollout: unbiased and >= 0 under the rollout's samples), the TIS weight's mean (as applied,
-    capped), the uncapped ratio's max and the fraction of tokens capped; and the entropy."""
+    r = pi_old / pi_rollout: unbiased and >= 0 under the rollout's samples), the TIS weight's mean (capped: as
+    applied with --tis, what it would be without), the uncapped ratio's max and the fraction of tokens capped;
+    and the entropy."""
     log_r = (old_logp - rollout_logp).detach() * mask                                # (n, C)
     ratio = torch.exp(log_r)                                                         # (n, C); 1 off the mask
     sums = dist.all_reduce(torch.stack([mask.sum(), (entropy * mask).sum(), log_r.abs().sum(),

@@ -47,6 +47,7 @@ def move_aside(out: Path) -> Path | None:
     """Rename a run folder to `<out>.old-<time>`, never deleting it; None when `out` holds no run."""
     if not run_files(out):
         return None
+    out = out.resolve()  # "." has no name to add a suffix to
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside, n = out.with_name(f"{out.name}.old-{stamp}"), 1
     while aside.exists():

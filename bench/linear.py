@@ -163,22 +163,29 @@ def per_shape(name, N, K, rows, copy_tbs, sweep: bool) -> dict:
     return row
 
 
-def chain_ms(cfg: ModelConfig, rows: int, lin, mode: str | None, one_layer: bool = False) -> float:
-    """All layers' matmuls, residual adds and SiLU, then the LM head, compiled, in one graph. one_layer: every
-    layer uses layer 0's weights (30 MB at 0.5B, inside the H200's L2), so no matmul waits on HBM."""
+def chain_weights(cfg: ModelConfig, rows: int) -> tuple[torch.Tensor, ...]:
+    """A chain's input (rows, C) and bf16 random weights in the engine's fused layout, stacked over layers:
+    qkv (L, (H + 2K) D, C) and its bias, o (L, C, H D), gate_up (L, 2F, C), down (L, C, F), the LM head (V, C)."""
     L, C, H, Kv, D, Fw, V = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
                              cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
     g = torch.Generator(device="cuda").manual_seed(0)
     w = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g) * s[-1] ** -0.5  # noqa: E731
-    w_qkv, b_qkv, w_o = w(L, (H + 2 * Kv) * D, C), w(L, (H + 2 * Kv) * D), w(L, C, H * D)
-    w_gu, w_down, head = w(L, 2 * Fw, C), w(L, C, Fw), w(V, C)
     x0 = torch.randn(rows, C, device="cuda", dtype=torch.bfloat16)
+    return (x0, w(L, (H + 2 * Kv) * D, C), w(L, (H + 2 * Kv) * D), w(L, C, H * D), w(L, 2 * Fw, C), w(L, C, Fw),
+            w(V, C))
+
+
+def chain_ms(cfg: ModelConfig, rows: int, lin, mode: str | None, one_layer: bool = False) -> float:
+    """All layers' matmuls, residual adds and SiLU, then the LM head, compiled, in one graph. one_layer: every
+    layer uses layer 0's weights (30 MB at 0.5B, inside the H200's L2), so no matmul waits on HBM."""
+    L, HD = cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim
+    x0, w_qkv, b_qkv, w_o, w_gu, w_down, head = chain_weights(cfg, rows)
 
     def chain(x):
         for layer in range(L):
             i = 0 if one_layer else layer
             qkv = lin(x, w_qkv[i], b_qkv[i])
-            x = x + lin(qkv[:, :H * D], w_o[i])
+            x = x + lin(qkv[:, :HD], w_o[i])
             gate, up = lin(x, w_gu[i]).chunk(2, dim=-1)
             x = x + lin(F.silu(gate) * up, w_down[i])
         return lin(x, head)
@@ -190,18 +197,13 @@ def fused_chain_ms(cfg: ModelConfig, rows: int) -> float:
     """The chain with the kernel where it removes a kernel or wins (session 15's table): o_proj and down_proj
     through it, their split sums fused into the residual adds, SiLU-and-mul done in down_proj's loads (one
     kernel fewer per layer); qkv, gate_up and the LM head stay on cuBLAS."""
-    L, C, H, Kv, D, Fw, V = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
-                             cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g) * s[-1] ** -0.5  # noqa: E731
-    w_qkv, b_qkv, w_o = w(L, (H + 2 * Kv) * D, C), w(L, (H + 2 * Kv) * D), w(L, C, H * D)
-    w_gu, w_down, head = w(L, 2 * Fw, C), w(L, C, Fw), w(V, C)
-    x0 = torch.randn(rows, C, device="cuda", dtype=torch.bfloat16)
+    L, HD = cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim
+    x0, w_qkv, b_qkv, w_o, w_gu, w_down, head = chain_weights(cfg, rows)
 
     def chain(x):
         for i in range(L):
             qkv = F.linear(x, w_qkv[i], b_qkv[i])
-            x = x + launch_skinny(qkv[:, :H * D], w_o[i]).sum(0).to(x.dtype)
+            x = x + launch_skinny(qkv[:, :HD], w_o[i]).sum(0).to(x.dtype)
             gate_up = F.linear(x, w_gu[i])
             x = x + launch_skinny(gate_up, w_down[i], gated=True).sum(0).to(x.dtype)
         return F.linear(x, head)

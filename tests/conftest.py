@@ -20,6 +20,7 @@ from bench.workload import data_dir  # noqa: E402
 
 SHARED_DATA = data_dir()  # $MINIGRPO_DATA, else ../shared/data beside the checkout
 QWEN_DIR = SHARED_DATA / "qwen2.5-0.5b-instruct"
+GSM8K = SHARED_DATA / "gsm8k"
 
 
 def tiny_config(n_heads=14, n_kv_heads=2, head_dim=8, tied=True, vocab=256, layers=2, **kw) -> ModelConfig:
@@ -43,3 +44,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_dir(tmp_path_factory):
+    """A random 2-layer model with Qwen2.5's vocabulary and tokenizer files: the real GSM8K code path, fast."""
+    if not (QWEN_DIR.exists() and GSM8K.exists()):
+        pytest.skip(f"shared data not found under {SHARED_DATA}")
+    from minigrpo.model.checkpoint import save_model
+    out = tmp_path_factory.mktemp("tiny_qwen")
+    save_model(random_model(tiny_config(vocab=151936, n_heads=2, n_kv_heads=1, head_dim=8)), out,
+               tokenizer_dir=QWEN_DIR)
+    return out

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QWEN_DIR, SHARED_DATA, random_model, tiny_config
+from conftest import GSM8K, tiny_config
 
-from minigrpo.model.checkpoint import load_model, save_model
+from minigrpo.model.checkpoint import load_model
 
 REPO = Path(__file__).resolve().parents[1]
-GSM8K_TEST = SHARED_DATA / "gsm8k" / "test.jsonl"
+GSM8K_TEST = GSM8K / "test.jsonl"
 
 
 def run(args, cwd=REPO, timeout=120):
@@ -37,17 +37,6 @@ def config(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(tiny_config().to_hf_dict()))
     return path
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen_dir(tmp_path_factory):
-    """A random 2-layer model with Qwen2.5's vocabulary and tokenizer files (as in test_train_cli.py)."""
-    if not (QWEN_DIR.exists() and GSM8K_TEST.exists()):
-        pytest.skip(f"shared data not found under {SHARED_DATA}")
-    out = tmp_path_factory.mktemp("tiny_qwen")
-    save_model(random_model(tiny_config(vocab=151936, n_heads=2, n_kv_heads=1, head_dim=8)), out,
-               tokenizer_dir=QWEN_DIR)
-    return out
 
 
 # --- weights/download.py ------------------------------------------------------------------------------------

@@ -9,12 +9,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import QWEN_DIR, SHARED_DATA, random_model, tiny_config
-
-from minigrpo.model.checkpoint import save_model
+from conftest import GSM8K
 
 REPO = Path(__file__).resolve().parents[1]
-GSM8K = SHARED_DATA / "gsm8k"
+
 TINY = REPO / "tests" / "data" / "tiny_qa.jsonl"
 
 
@@ -105,17 +103,6 @@ def test_offline_without_a_model_explains_what_to_do(tmp_path):
                HF_HOME=str(tmp_path / "hf"))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "cannot reach the Hugging Face Hub" in proc.stderr
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen_dir(tmp_path_factory):
-    """A random 2-layer model with Qwen2.5's vocabulary and tokenizer files: the real GSM8K code path, fast."""
-    if not (QWEN_DIR.exists() and GSM8K.exists()):
-        pytest.skip(f"shared data not found under {SHARED_DATA}")
-    out = tmp_path_factory.mktemp("tiny_qwen")
-    save_model(random_model(tiny_config(vocab=151936, n_heads=2, n_kv_heads=1, head_dim=8)), out,
-               tokenizer_dir=QWEN_DIR)
-    return out
 
 
 def test_gsm8k_path_runs_one_step_and_resumes(tmp_path, tiny_qwen_dir):

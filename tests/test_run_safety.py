@@ -285,6 +285,22 @@ def test_a_start_that_fails_leaves_no_folder_behind(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_a_filesystem_without_locks_runs_unlocked_with_a_warning(tmp_path, monkeypatch):
+    # Lustre mounted without flock answers ENOSYS: refusing to start there would stop every run on it.
+    import errno
+    import fcntl
+
+    from minigrpo.run.run_dir import locked_out
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match="its filesystem takes no locks"):
+        with locked_out(tmp_path / "run"):
+            (tmp_path / "run" / "metrics.jsonl").write_text("")
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_an_unreadable_trainer_state_is_one_line(tmp_path):
     out = tmp_path / "run"
     assert run([*SMALL, "--steps", "1", "--out", str(out)]).returncode == 0

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import os
 import time
+import warnings
 from pathlib import Path
 
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "eval.jsonl", "checkpoints", "tensorboard")
@@ -71,6 +72,9 @@ def locked_out(out: Path):
         except BlockingIOError:
             raise ValueError(f"another process is running in --out {out}; wait for it to end, or choose another "
                              f"--out") from None
+        except OSError as e:  # a filesystem without locks (Lustre mounted without flock, some FUSE): run unlocked
+            warnings.warn(f"--out {out}: its filesystem takes no locks ({e.strerror}); a second run started there "
+                          f"while this one runs would not be refused", stacklevel=3)
         yield
     finally:
         os.close(fd)

@@ -67,10 +67,9 @@ class Engine:
                  params: SamplingParams, stop_ids=(), seeds: list[int] | None = None) -> Rollout:
         G, st = samples_per_prompt, self.state
         N = len(prompts) * G
-        self._check_request(prompts, G, max_new_tokens, stop_ids, seeds)
+        rows = self._check_request(prompts, G, max_new_tokens, stop_ids, seeds)
         seeds = list(seeds) if seeds is not None else list(range(N))
         # A stop id or token sequence per row, right-aligned (decode.ends_with_stop): one copy to the device.
-        rows = [(s,) if isinstance(s, int) else tuple(s) for s in stop_ids]
         st.stops.copy_(torch.tensor([(ANY_TOKEN,) * (STOP_LEN - len(s)) + s for s in rows]
                                     + [(NO_STOP,) * STOP_LEN] * (MAX_STOPS - len(rows))))
         seq_pages: dict[int, list[int]] = {}  # pages held by each admitted, unfinished sequence
@@ -137,7 +136,8 @@ class Engine:
             self._done_copied.synchronize()
         return st.done_host[:n].tolist()
 
-    def _check_request(self, prompts, G, max_new_tokens, stop_ids, seeds) -> None:
+    def _check_request(self, prompts, G, max_new_tokens, stop_ids, seeds) -> list[tuple[int, ...]]:
+        """One-line errors for a request the engine cannot serve; returns the stops as token tuples."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt, and every prompt at least one token")
         if G < 1 or G > self.cfg.max_batch:
@@ -149,10 +149,11 @@ class Engine:
             raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the engine's "
                              f"max_seq_len {self.cfg.max_seq_len}; raise EngineConfig.max_seq_len")
         vocab = self.model_cfg.vocab_size
-        rows = [(s,) if isinstance(s, int) else s for s in stop_ids] if isinstance(stop_ids, (list, tuple)) else None
+        rows = ([(s,) if isinstance(s, int) else tuple(s) for s in stop_ids]
+                if isinstance(stop_ids, (list, tuple)) and all(isinstance(s, (int, list, tuple)) for s in stop_ids)
+                else None)
         if rows is None or len(rows) > MAX_STOPS or not all(
-                isinstance(r, (list, tuple)) and 0 < len(r) <= STOP_LEN
-                and all(isinstance(t, int) and 0 <= t < vocab for t in r) for r in rows):
+                0 < len(r) <= STOP_LEN and all(isinstance(t, int) and 0 <= t < vocab for t in r) for r in rows):
             raise ValueError(f"stop_ids must be a tuple of at most {MAX_STOPS} token ids or token sequences of 1 to "
                              f"{STOP_LEN} tokens, ids in [0, {vocab}); got {stop_ids!r}")
         if seeds is not None and len(seeds) != len(prompts) * G:
@@ -164,6 +165,7 @@ class Engine:
             raise OutOfPages(f"one prompt group needs {need} KV pages (prompt {longest_group} tokens, {G} samples x "
                              f"{max_new_tokens} new) but the cache has {self.kv.capacity}; raise "
                              f"EngineConfig.kv_pages / kv_memory_fraction or lower max_new_tokens")
+        return rows
 
     def _reserve(self, group: int, prompt_len: int, G: int, max_new: int) -> dict[int, list[int]]:
         """Pages for one group: the full prompt pages shared G ways, then each sample's private tail."""

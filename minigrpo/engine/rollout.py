@@ -57,8 +57,8 @@ def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: st
         return ReferenceBackend(model, pad_id)
     device = next(model.parameters()).device
     on_cuda = device.type == "cuda"
-    flag, fix = ("--attn triton", "--attn sdpa") if attn == "triton" else ("--sampler triton", "--sampler torch")
     if "triton" in (attn, sampler) and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        flag, fix = ("--attn triton", "--attn sdpa") if attn == "triton" else ("--sampler triton", "--sampler torch")
         raise ValueError(f"{flag} runs Triton kernels, which need a CUDA GPU; on the CPU use {fix} "
                          f"(or set TRITON_INTERPRET=1 to run them, slowly, in Triton's interpreter)")
     if cuda_graphs and not on_cuda:

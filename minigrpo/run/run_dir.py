@@ -1,9 +1,9 @@
 """A run's output folder (--out): no command deletes another run's files, or mixes two runs in one folder.
 
-A folder "holds a run" once it has any of RUN_FILES. While a run writes to it, it holds a lock on it (`locked_out`),
-so a second run into the same folder (a job requeued while the first still runs) is refused. A new run into it is refused unless it continues that
+A folder "holds a run" once it has any of RUN_FILES. A new run into it is refused unless it continues that
 run (--resume) or moves it aside to `<out>.old-<time>` (--overwrite, which deletes nothing); so is resuming
-a checkpoint from elsewhere into it.
+a checkpoint from elsewhere into it. While a run writes to a folder it holds a lock on it (`locked_out`), so a
+second run there (a job requeued while the first still runs) is refused.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def locked_out(out: Path):
     """Hold a lock on `out` (created if needed) while inside: another process holding it is running there, and
     one writing beside it would interleave the two runs' records. Folders created here and left empty (a start
     that failed) are removed on the way out."""
-    created = [p for p in (out, *out.absolute().parents) if not p.exists()]  # deepest first
+    created = [p for p in (out.absolute(), *out.absolute().parents) if not p.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
     fd = os.open(out, os.O_RDONLY)
     try:

@@ -8,7 +8,7 @@ and shuffled pages, times with `triton.testing.do_bench_cudagraph` (median, CUDA
   eager   the readable reference backend (skip with --no-eager)
 and reports microseconds, ratios, and achieved bandwidth (K/V bytes read / time) next to the device's
 copy bandwidth (bytes read + written / time of a large device-to-device copy) measured in the same run.
-It also times the fused rope + cache store against its PyTorch version.
+The paged backends also rotate the new token and store its K/V, as in the decode step; dense SDPA does not.
 
 Inputs rotate over enough copies to exceed ~512 MiB, so each call reads K/V from HBM, not from L2.
 A quick correctness check (triton vs gather) runs at every point before timing.
@@ -43,7 +43,7 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import kernels.decode_attention as kda  # noqa: E402
 from bench.timing import copy_bandwidth_tbs  # noqa: E402
-from minigrpo.engine.attention import decode_attention, rope_store_torch  # noqa: E402
+from minigrpo.engine.attention import decode_attention  # noqa: E402
 
 HQ, HKV, D = 14, 2, 64
 # bf16 on the GPU; the CPU smoke run uses fp16 because Triton's interpreter mishandles bf16 loads.
@@ -116,16 +116,18 @@ def bench_point(B, ctx, S, args, timer, gen):
     device = args.device
     kv_bytes = 2 * B * ctx * HKV * D * DTYPE[device].itemsize          # K and V
     n_sets = 1 if device == "cpu" else max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes)))
-    q = torch.randn(B, HQ, D, device=device, generator=gen).to(DTYPE[device])              # (B, Hq, D)
+    q, k, v = (torch.randn(B, h, D, device=device, generator=gen).to(DTYPE[device]) for h in (HQ, HKV, HKV))
+    cos, sin = (torch.rand(ctx, D, device=device, generator=gen) for _ in range(2))      # (ctx, D) fp32
     seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
     paged = [make_paged_set(B, ctx, S, device, gen) for _ in range(n_sets)]
     dense = [tuple(torch.randn(B, HKV, ctx, D, device=device, generator=gen).to(DTYPE[device])
                    for _ in range(2)) for _ in range(n_sets)]                              # (B, Hkv, T, D)
     scale = D ** -0.5
     q_groups = q.view(B, HKV, HQ // HKV, D)    # the n_rep query heads of a KV head as query rows
+    new_token = dict(q=q, k=k, v=v, seq_lens=seq_lens, cos=cos, sin=sin, scale=scale)
 
     def paged_fn(backend):
-        return lambda kp, vp, bt: decode_attention(backend, q, kp, vp, bt, seq_lens, scale)
+        return lambda kp, vp, bt: decode_attention(backend, k_pool=kp, v_pool=vp, block_table=bt, **new_token)
 
     kp, vp, bt = paged[0]
     check = (paged_fn("triton")(kp, vp, bt).float() - paged_fn("sdpa")(kp, vp, bt).float()).abs().max().item()
@@ -143,11 +145,11 @@ def bench_point(B, ctx, S, args, timer, gen):
                gbps={k: kv_bytes / (t * 1e-6) / 1e9 for k, t in us.items()},
                gather_over_triton=us["gather"] / us["triton"], triton_over_dense=us["triton"] / us["dense"])
     if args.sweep:
-        row["sweep"] = sweep(q, seq_lens, scale, paged, timer, num_splits)
+        row["sweep"] = sweep(new_token, paged, timer, num_splits)
     return row
 
 
-def sweep(q, seq_lens, scale, paged, timer, auto_splits):
+def sweep(new_token, paged, timer, auto_splits):
     """Microseconds for other split counts and (block_n, num_warps, num_stages); failures are recorded."""
     stages = 2 if D >= 128 else 3  # launch_paged_decode's default
     configs = [(ns, kda.BLOCK_N, 4, stages) for ns in (1, 2, 4, 8, 16)]
@@ -160,25 +162,11 @@ def sweep(q, seq_lens, scale, paged, timer, auto_splits):
             continue
         try:
             results[key] = timer(rotating(
-                lambda kp, vp, bt, cfg=cfg: kda.launch_paged_decode(q, kp, vp, bt, seq_lens, scale, **cfg), paged))
+                lambda kp, vp, bt, cfg=cfg: kda.launch_paged_decode(k_pool=kp, v_pool=vp, block_table=bt,
+                                                                    **new_token, **cfg), paged))
         except Exception as e:  # a config may not compile (e.g. shared memory): note it, keep sweeping
             results[key] = f"error: {type(e).__name__}: {str(e)[:200]}"
     return results
-
-
-def bench_rope_store(B, S, args, timer, gen):
-    device = args.device
-    P = B * 4
-    q = torch.randn(B, HQ, D, device=device, generator=gen).to(DTYPE[device])
-    k, v = (torch.randn(B, HKV, D, device=device, generator=gen).to(DTYPE[device]) for _ in range(2))
-    pools = [torch.zeros(P, S, HKV, D, device=device, dtype=DTYPE[device]) for _ in range(2)]
-    positions = torch.randint(0, 4096, (B,), device=device, dtype=torch.int32, generator=gen)
-    slots = torch.randperm(P * S, device=device, generator=gen)[:B].int()
-    cos, sin = (torch.rand(4096, D, device=device, generator=gen) for _ in range(2))
-    args_ = (q, k, v, *pools, positions, slots, cos, sin)
-    us = {"triton": timer(lambda: torch.ops.minigrpo.rope_store(*args_)),
-          "torch": timer(lambda: rope_store_torch(*args_))}
-    return dict(sequences=B, us=us, torch_over_triton=us["torch"] / us["triton"])
 
 
 def print_tables(result):
@@ -195,10 +183,6 @@ def print_tables(result):
               + f" {100 * r['gbps']['triton'] / result['copy_gbps']:>5.0f}% {r['max_abs_err_vs_gather']:>8.1e}")
         for key, t in sorted(r.get("sweep", {}).items(), key=lambda kv: (isinstance(kv[1], str), kv[1])):
             print(f"{'':>22}sweep {key:<48} " + (f"{t:>10.1f} us" if not isinstance(t, str) else t))
-    print(f"\n{'rope+store seqs':>15} {'triton us':>10} {'torch us':>10} {'torch/triton':>12}")
-    for r in result["rope_store"]:
-        print(f"{r['sequences']:>15} {r['us']['triton']:>10.1f} {r['us']['torch']:>10.1f} "
-              f"{r['torch_over_triton']:>12.2f}")
 
 
 def main():
@@ -213,7 +197,7 @@ def main():
     result = dict(
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu (triton interpreter)",
         torch=torch.__version__, triton=triton.__version__, heads=dict(q=HQ, kv=HKV, head_dim=D),
-        dtype=str(DTYPE[device]), copy_gbps=copy_bandwidth(device, timer), points=[], rope_store=[],
+        dtype=str(DTYPE[device]), copy_gbps=copy_bandwidth(device, timer), points=[],
     )
     for S in args.page_sizes:
         for B, ctx in points:
@@ -222,8 +206,6 @@ def main():
             print(f"done: {B} x {ctx}, page {S}: triton {row['us']['triton']:.1f} us", flush=True)
             if device == "cuda":
                 torch.cuda.empty_cache()
-    for B in sorted({b for b, _ in points}):
-        result["rope_store"].append(bench_rope_store(B, args.page_sizes[0], args, timer, gen))
     print_tables(result)
 
     out = args.out or (os.path.join(os.environ["OUT"], "bench_attention.json") if os.environ.get("OUT") else None)

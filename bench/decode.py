@@ -128,7 +128,8 @@ def run_engine(model, prompts, G, new, attn, mode, page_size, sampler, explain: 
 
 
 def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
-    """Share of one decode step per part, from graph-timed pieces; norms/RoPE/KV store are the remainder."""
+    """Share of one decode step per part, from graph-timed pieces; attention includes the new token's RoPE and
+    KV store (as the step runs them), norms and the rest are the remainder."""
     st, kv, m, attn = engine.state, engine.kv, engine.model, engine.cfg.attn
     tok, pos, ctr, seed, limit, done, table, out_tok, out_logp, stops = st.args(B)
     pages = torch.randperm(kv.num_pages - 1, device="cuda")[: B * table.shape[1]].view(B, -1) + 1
@@ -148,18 +149,18 @@ def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
     chain = gemm_chain(engine, B, compiled=True)
     matmul_ms = time_graph(lambda: chain(False))
     lm_head_ms = time_graph(chain) - matmul_ms
-    H, D = m.cfg.num_attention_heads, m.cfg.head_dim
-    q = torch.randn(B, H, D, device="cuda", dtype=m.embed.dtype)
+    H, K, D = m.cfg.num_attention_heads, m.cfg.num_key_value_heads, m.cfg.head_dim
+    q, k, v = (torch.randn(B, h, D, device="cuda", dtype=m.embed.dtype) for h in (H, K, K))
     lens = torch.full((B,), ctx + 1, dtype=torch.int32, device="cuda")
-    attn_ms = time_graph(lambda: [decode_attention(attn, q, kv.k[i], kv.v[i], table, lens, D ** -0.5)
-                                  for i in range(len(kv.k))])
+    attn_ms = time_graph(lambda: [decode_attention(attn, q, k, v, kv.k[i], kv.v[i], table, lens, m.cos, m.sin,
+                                                   D ** -0.5) for i in range(len(kv.k))])
     logits = torch.randn(B, m.cfg.vocab_size, device="cuda", dtype=m.embed.dtype)
     adv = torch.compile(advance, fullgraph=True) if engine.cfg.compile == "step" else advance
     sample_ms = time_graph(lambda: adv(logits, SAMPLING, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp,
                                        engine.cfg.sampler), before=rewind)
     st.done.fill_(True)
     rest = full - matmul_ms - lm_head_ms - attn_ms - sample_ms
-    parts = dict(matmuls=matmul_ms, attention=attn_ms, norms_rope_kvstore_rest=rest, lm_head=lm_head_ms,
+    parts = dict(matmuls=matmul_ms, attention=attn_ms, norms_rest=rest, lm_head=lm_head_ms,
                  sampling=sample_ms)
     return dict(step_ms=full, context=ctx, **{k: round(v, 4) for k, v in parts.items()},
                 shares={k: round(v / full, 3) for k, v in parts.items()})

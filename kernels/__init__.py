@@ -1,6 +1,6 @@
 """Triton kernels for the decode step, registered by importing this package as the PyTorch ops
-torch.ops.minigrpo.paged_decode_attention, .rope_store and .fused_sample. With TRITON_INTERPRET=1 set
-before triton is first imported, they run on CPU tensors (the CPU tests).
+torch.ops.minigrpo.paged_decode_attention and .fused_sample. With TRITON_INTERPRET=1 set before triton is
+first imported, they run on CPU tensors (the CPU tests).
 """
 
-from kernels import decode_attention, rope_store, sample  # noqa: F401  (import registers the ops)
+from kernels import decode_attention, sample  # noqa: F401  (import registers the ops)

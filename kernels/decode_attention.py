@@ -1,10 +1,13 @@
-"""Paged decode attention in Triton: one new query token per sequence against its paged KV cache.
+"""Paged decode attention in Triton: one new token per sequence, rotated, stored and attended in one launch.
 
 Decode attention is pure memory traffic, so the design reads the cache once, straight from the pool:
 * No gather: each token's page is looked up in the block table inside the kernel, and K/V rows load as
   D contiguous elements (16-byte vector loads).
 * One program per (sequence, KV head, split) serves all n_rep query heads of the group with `tl.dot`s,
   so each K/V tile is read once per group.
+* The new token's RoPE and cache store are folded in (they were a kernel of their own, ~2.4 us per layer,
+  while the decode step is bound by its kernel count: bench/NOTES.md): every program rotates its q heads;
+  the split that holds the new position rotates k, scores it from registers and writes k and v to the cache.
 * Split-K over the sequence fills the GPU when batch * kv_heads cannot: each split runs an online softmax
   (fp32, log2 domain) and writes a normalised partial output and its log-sum-exp; a second kernel merges them.
 
@@ -31,38 +34,58 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _rotate(x_ptr, d, partner, sign, c, s, mask, DT: tl.constexpr):
+    """RoPE of the rows at x_ptr + d (HF Qwen2's x * cos + rotate_half(x) * sin), rounding each product and
+    then the sum to DT, as the model's `apply_rope` does; rotate_half reads column (d + D/2) % D, negated
+    in the first half. c, s: the position's table rows, already rounded to DT."""
+    x = tl.load(x_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(x_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+    return ((x * c).to(DT).to(tl.float32) + sign * (x_partner * s).to(DT).to(tl.float32)).to(DT)
+
+
+@triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_pool_ptr, v_pool_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
-    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, stride_os,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_pool_ptr, v_pool_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_bt, stride_ob, stride_oh, stride_os,
     qk_scale, max_tokens,
     HKV: tl.constexpr, N_REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     # fp32 inputs (tests) get exact products; bf16/fp16 ignore the setting and use tensor cores.
-    DOT_PRECISION: tl.constexpr = "ieee" if q_ptr.dtype.element_ty == tl.float32 else "tf32"
+    DT: tl.constexpr = q_ptr.dtype.element_ty
+    DOT_PRECISION: tl.constexpr = "ieee" if DT == tl.float32 else "tf32"
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_tokens)  # clamp: never walk off the table row
+    new = seq_len - 1                                              # the new token's position (-1: empty slot)
     # Every split gets an equal share rounded up to whole blocks; trailing splits may be empty.
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
+    # RoPE at the new token's position, for this group's query heads and (below) its new key.
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    pos = tl.maximum(new, 0)
+    c = tl.load(cos_ptr + pos * D + d).to(DT).to(tl.float32)      # (D,) tables rounded as the model does
+    s = tl.load(sin_ptr + pos * D + d).to(DT).to(tl.float32)
     rows = tl.arange(0, BLOCK_H)                                   # query heads of this group (padded)
     row_ok = rows < N_REP
     heads = kvh * N_REP + rows
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)                   # (BLOCK_H, D)
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q = _rotate(q_rows, d[None, :], partner[None, :], sign[None, :], c[None, :], s[None, :], row_ok[:, None],
+                DT)                                                # (BLOCK_H, D)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)              # running max (log2 units)
     l = tl.zeros([BLOCK_H], tl.float32)                            # running softmax denominator
     acc = tl.zeros([BLOCK_H, D], tl.float32)                       # running numerator
-    for start in range(lo, hi, BLOCK_N):
+    cached_hi = tl.minimum(hi, new)                                # the cache holds positions < new
+    for start in range(lo, cached_hi, BLOCK_N):
         tok = start + tl.arange(0, BLOCK_N)                        # (BLOCK_N,) positions in the sequence
-        tok_ok = tok < hi
+        tok_ok = tok < cached_hi
         page = tl.load(block_table_ptr + b * stride_bt + tok // PAGE, mask=tok_ok, other=0)
         # int64: page * PAGE * HKV * D overflows int32 on large pools.
         row = (page.to(tl.int64) * PAGE + tok % PAGE) * (HKV * D) + kvh * D   # (BLOCK_N,) element offsets
@@ -72,14 +95,32 @@ def _paged_decode_kernel(
 
         # Under torch.compile the Python-float scale can arrive as fp64; the cast keeps the loop-carried
         # softmax state fp32 (Triton rejects a loop variable whose type changes).
-        s = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)  # (BLOCK_H, BLOCK_N)
-        s = tl.where(tok_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))        # finite: every step has at least one valid token
+        s_blk = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)  # (BLOCK_H, BLOCK_N)
+        s_blk = tl.where(tok_ok[None, :], s_blk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s_blk, 1))    # finite: every step has at least one valid token
         alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s_blk - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
+
+    if (new >= lo) & (new < hi):
+        # The split that holds the new token takes its K/V from registers and stores them in the cache: no
+        # program of this launch reads that row, so the store needs no ordering.
+        k_row = k_ptr + b * stride_kb + kvh * stride_kh
+        k_new = _rotate(k_row, d, partner, sign, c, s, d < D, DT)                   # (D,)
+        v_new = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + d)                # (D,)
+        s_new = (tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale).to(tl.float32)
+        m_last = tl.maximum(m, s_new)
+        scale_old = tl.exp2(m - m_last)
+        p_new = tl.exp2(s_new - m_last)
+        l = l * scale_old + p_new
+        acc = acc * scale_old[:, None] + p_new.to(DT).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+        m = m_last
+        new_page = tl.load(block_table_ptr + b * stride_bt + new // PAGE)
+        slot_row = (new_page.to(tl.int64) * PAGE + new % PAGE) * (HKV * D) + kvh * D
+        tl.store(k_pool_ptr + slot_row + d, k_new)
+        tl.store(v_pool_ptr + slot_row + d, v_new)
 
     # An empty split (or seq_len 0) has l == 0: output 0 and lse -inf, which the merge weighs as nothing.
     has_any = l > 0
@@ -163,10 +204,29 @@ def check_runnable(device: torch.device) -> None:
                            "TRITON_INTERPRET=1 before anything imports triton (torch._dynamo does)")
 
 
+def check_new_token_inputs(q, k, v, k_pool, cos, sin) -> None:
+    """Assert the new token's side of the contract (metadata only): k, v (B, Hkv, D) in q's dtype, the fp32
+    RoPE tables (max_positions, D), last dims contiguous (q, k, v may be views of one fused projection)."""
+    B, Hq, D = q.shape
+    Hkv = k_pool.shape[2]
+    if k.shape != (B, Hkv, D) or v.shape != (B, Hkv, D):
+        raise ValueError(f"k and v must be (batch={B}, kv_heads={Hkv}, head_dim={D}), got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if not k.dtype == v.dtype == q.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.dtype != torch.float32:
+        raise ValueError(f"cos and sin must be float32 (max_positions, head_dim={D}) tables, got "
+                         f"{cos.dtype} {tuple(cos.shape)} and {sin.dtype} {tuple(sin.shape)}")
+    if not (cos.is_contiguous() and sin.is_contiguous()) or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("cos and sin must be contiguous, and k and v contiguous in their last dim")
+    if len({t.device for t in (q, k, v, cos, sin)}) != 1:
+        raise ValueError("all decode-attention inputs must be on one device")
+
+
 # Defined before the op on purpose: triton_op records the kernels an op launches (torch.compile's cache
 # key) by reading the source of the functions it calls, which must exist when the decorator runs.
-def launch_paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale: float, num_splits: int = 0,
-                        block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 0):
+def launch_paged_decode(q, k, v, k_pool, v_pool, block_table, seq_lens, cos, sin, scale: float,
+                        num_splits: int = 0, block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 0):
     """Both kernels (inputs already checked). -> (B, Hq, D). num_splits and num_stages 0 pick them from
     static shapes; block_n, num_warps and num_stages are what `bench/attention.py --sweep` varies."""
     check_runnable(q.device)
@@ -188,8 +248,9 @@ def launch_paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale: float, 
     o_part = out if NS == 1 else torch.empty((B, Hq, NS, D), dtype=torch.float32, device=q.device)
     stride_os = 0 if NS == 1 else o_part.stride(2)                                       # o_part (B, Hq, NS, D)
     wrap_triton(_paged_decode_kernel)[(B, Hkv, NS)](
-        q, k_pool, v_pool, block_table, seq_lens, o_part, lse,
-        q.stride(0), q.stride(1), block_table.stride(0), o_part.stride(0), o_part.stride(1), stride_os,
+        q, k, v, cos, sin, k_pool, v_pool, block_table, seq_lens, o_part, lse,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_table.stride(0),
+        o_part.stride(0), o_part.stride(1), stride_os,
         scale * LOG2E, M * S,
         HKV=Hkv, N_REP=n_rep, BLOCK_H=max(16, triton.next_power_of_2(n_rep)), D=D, PAGE=S,
         BLOCK_N=block_n, NUM_SPLITS=NS, num_warps=num_warps, num_stages=num_stages,
@@ -202,20 +263,24 @@ def launch_paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale: float, 
     return out
 
 
-@triton_op("minigrpo::paged_decode_attention", mutates_args=())
-def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int = 0) -> torch.Tensor:
-    """softmax(q k^T * scale) v over each sequence's first seq_lens[b] cached tokens. -> (B, Hq, D), q's dtype.
-    Inputs as in `check_decode_inputs`. num_splits: 0 picks it from static shapes, >= 1 forces it."""
+@triton_op("minigrpo::paged_decode_attention", mutates_args={"k_pool", "v_pool"})
+def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                           v_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, scale: float, num_splits: int = 0) -> torch.Tensor:
+    """The decode step's attention for one new token per sequence, in one launch (two with splits): rotate q and
+    k at position seq_lens[b] - 1, store k and v there, and return softmax(q K^T * scale) V over the sequence's
+    seq_lens[b] tokens, (B, Hq, D) in q's dtype. q (B, Hq, D), k, v (B, Hkv, D) before RoPE; cos, sin the
+    model's fp32 tables; the cache as in `check_decode_inputs`, except that position seq_lens[b] - 1 is written,
+    never read. num_splits: 0 picks it from static shapes, >= 1 forces it."""
     check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens)
+    check_new_token_inputs(q, k, v, k_pool, cos, sin)
     if num_splits < 0:
         raise ValueError(f"num_splits must be 0 (auto) or positive, got {num_splits}")
-    return launch_paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale, num_splits)
+    return launch_paged_decode(q, k, v, k_pool, v_pool, block_table, seq_lens, cos, sin, scale, num_splits)
 
 
 if INTERPRETED:
     # The interpreter needs real data, so Dynamo gets a shape-only fake instead of tracing the launches.
     @paged_decode_attention.register_fake
-    def _(q, k_pool, v_pool, block_table, seq_lens, scale, num_splits=0):
+    def _(q, k, v, k_pool, v_pool, block_table, seq_lens, cos, sin, scale, num_splits=0):
         return torch.empty_like(q, memory_format=torch.contiguous_format)

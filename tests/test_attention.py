@@ -1,4 +1,4 @@
-"""Decode-attention backends (eager, sdpa) and the PyTorch rope + cache store, on the CPU.
+"""Decode-attention backends (eager, sdpa), the PyTorch rope + cache store and their composition, on the CPU.
 
 The eager backend is checked against a hand-computed case and against an independent per-sequence dense
 computation on shuffled, NaN-poisoned page tables; sdpa is checked against eager. The Triton backend is
@@ -18,7 +18,7 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
-from minigrpo.engine.attention import BACKENDS, decode_attention, rope_store, rope_store_torch  # noqa: E402
+from minigrpo.engine.attention import BACKENDS, cached_attention, decode_attention, rope_store  # noqa: E402
 from minigrpo.engine.config import EngineConfig  # noqa: E402
 from minigrpo.model.qwen2 import apply_rope, rope_cos_sin  # noqa: E402
 
@@ -89,7 +89,7 @@ def test_eager_hand_computed():
     v_pool[1, :, 0] = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     v_pool[0, 0, 0] = torch.tensor([8.0, 6.0])
     q = torch.tensor([[[math.log(2), 0.0], [0.0, 0.0]]])        # (1, 2, 2)
-    out = decode_attention("eager", q, k_pool, v_pool, torch.tensor([[1, 0]], dtype=torch.int32),
+    out = cached_attention("eager", q, k_pool, v_pool, torch.tensor([[1, 0]], dtype=torch.int32),
                            torch.tensor([3], dtype=torch.int32), scale=1.0)
     # Head 0 scores (ln2, 0, ln2) -> weights (2, 1, 2) / 5 -> ((2 + 3 + 16) / 5, (4 + 4 + 12) / 5).
     # Head 1 scores all 0 -> uniform thirds -> ((1 + 3 + 8) / 3, (2 + 4 + 6) / 3).
@@ -108,7 +108,7 @@ CASES = [  # (lengths, page_size, q_heads, kv_heads, head_dim)
 def test_eager_matches_dense_reference(lens, S, Hq, Hkv, D):
     k_pool, v_pool, bt, sl, dk, dv = make_paged_kv(lens, S, Hkv, D, seed=1)
     q = torch.randn(len(lens), Hq, D, generator=torch.Generator().manual_seed(2))
-    out = decode_attention("eager", q, k_pool, v_pool, bt, sl, D ** -0.5)
+    out = cached_attention("eager", q, k_pool, v_pool, bt, sl, D ** -0.5)
     torch.testing.assert_close(out.double(), dense_reference(q, dk, dv, lens, D ** -0.5), atol=1e-5, rtol=1e-5)
 
 
@@ -117,8 +117,8 @@ def test_eager_matches_dense_reference(lens, S, Hq, Hkv, D):
 def test_sdpa_matches_eager(lens, S, Hq, Hkv, D, dtype):
     k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, S, Hkv, D, dtype=dtype, seed=3)
     q = torch.randn(len(lens), Hq, D, generator=torch.Generator().manual_seed(4)).to(dtype)
-    ref = decode_attention("eager", q, k_pool, v_pool, bt, sl, 0.3)
-    out = decode_attention("sdpa", q, k_pool, v_pool, bt, sl, 0.3)
+    ref = cached_attention("eager", q, k_pool, v_pool, bt, sl, 0.3)
+    out = cached_attention("sdpa", q, k_pool, v_pool, bt, sl, 0.3)
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
@@ -131,7 +131,7 @@ def test_backend_compiles_without_graph_breaks(backend):
     q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(6))
 
     def step(q, k_pool, v_pool, bt, sl):
-        return decode_attention(backend, q, k_pool, v_pool, bt, sl, 0.25) * 2
+        return cached_attention(backend, q, k_pool, v_pool, bt, sl, 0.25) * 2
 
     explain = torch._dynamo.explain(step)(q, k_pool, v_pool, bt, sl)
     assert explain.graph_break_count == 0, explain.break_reasons
@@ -144,14 +144,44 @@ def test_backend_compiles_without_graph_breaks(backend):
     (dict(seq_lens=torch.zeros(3, dtype=torch.int32)), r"seq_lens must be int32 \(batch=2,\)"),
     (dict(q=torch.zeros(2, 3, 8)), r"multiple of kv_heads \(2\)"),
     (dict(k_pool=torch.zeros(4, 8, 2, 8).transpose(0, 1)), "must both be"),
+    (dict(k=torch.zeros(2, 1, 8)), r"k and v must be \(batch=2, kv_heads=2, head_dim=8\)"),
+    (dict(v=torch.zeros(2, 2, 8, dtype=torch.float16)), "q, k and v must share a dtype"),
+    (dict(cos=torch.zeros(16, 8, dtype=torch.float64)), "cos and sin must be float32"),
 ])
 def test_contract_errors_are_specific(bad, match):
-    args = dict(q=torch.zeros(2, 4, 8), k_pool=torch.zeros(4, 8, 2, 8), v_pool=torch.zeros(4, 8, 2, 8),
-                block_table=torch.zeros(2, 3, dtype=torch.int32), seq_lens=torch.zeros(2, dtype=torch.int32))
+    args = dict(q=torch.zeros(2, 4, 8), k=torch.zeros(2, 2, 8), v=torch.zeros(2, 2, 8), k_pool=torch.zeros(4, 8, 2, 8),
+                v_pool=torch.zeros(4, 8, 2, 8), block_table=torch.zeros(2, 3, dtype=torch.int32),
+                seq_lens=torch.zeros(2, dtype=torch.int32), cos=torch.zeros(16, 8), sin=torch.zeros(16, 8))
     args.update(bad)
     for backend in BACKENDS:
         with pytest.raises((ValueError, TypeError), match=match):
             decode_attention(backend, scale=1.0, **args)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_new_token_is_rotated_stored_and_attended(backend):
+    # seq_lens counts the new token: it lands at position seq_len - 1 of its pages; seq_len 0 stores nothing.
+    lens, S, Hq, Hkv, D = [5, 0, 16, 33], 8, 14, 2, 16
+    k_pool, v_pool, bt, sl, dk, dv = make_paged_kv(lens, S, Hkv, D, seed=21)
+    g = torch.Generator().manual_seed(22)
+    q, k, v = (torch.randn(len(lens), h, D, generator=g) for h in (Hq, Hkv, Hkv))
+    cos, sin = rope_cos_sin(torch.arange(64), D, 10000.0, torch.float32)
+    before = k_pool.clone()
+    out = decode_attention(backend, q, k, v, k_pool, v_pool, bt, sl, cos, sin, D ** -0.5)
+    changed = ((k_pool != before) & ~before.isnan()) | (before.isnan() & ~k_pool.isnan())
+    assert changed.any(-1).any(-1).sum() == 3                   # exactly the three live sequences' new rows
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert (out[b] == 0).all()
+            continue
+        c, s = cos[n - 1], sin[n - 1]
+        page, offset = bt[b, (n - 1) // S], (n - 1) % S
+        torch.testing.assert_close(k_pool[page, offset], apply_rope(k[b], c, s), atol=0, rtol=0)
+        torch.testing.assert_close(v_pool[page, offset], v[b], atol=0, rtol=0)
+        dk[b, n - 1], dv[b, n - 1] = apply_rope(k[b], c, s), v[b]
+    ref = dense_reference(apply_rope(q, cos[sl.clamp(min=1) - 1][:, None], sin[sl.clamp(min=1) - 1][:, None]),
+                          dk, dv, lens, D ** -0.5)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -171,9 +201,9 @@ def make_rope_inputs(B=4, Hq=14, Hkv=2, D=16, P=5, S=4, dtype=torch.float32, see
     return tuple(t.to(device) for t in ts)
 
 
-def test_rope_store_torch_rotates_and_stores():
+def test_rope_store_rotates_and_stores():
     q, k, v, k_pool, v_pool, pos, slots, cos, sin = make_rope_inputs()
-    q_rot = rope_store_torch(q, k, v, k_pool, v_pool, pos, slots, cos, sin)
+    q_rot = rope_store(q, k, v, k_pool, v_pool, pos, slots, cos, sin)
     c, s = cos[pos][:, None], sin[pos][:, None]                                      # (B, 1, D)
     torch.testing.assert_close(q_rot, apply_rope(q, c, s), atol=0, rtol=0)
     flat_k, flat_v = k_pool.view(-1, 2, 16), v_pool.view(-1, 2, 16)
@@ -192,26 +222,26 @@ def test_rope_matches_hand_computed_rotation():
     x = torch.tensor([[[1.0, 0.0]]])
     cos, sin = rope_cos_sin(torch.arange(4), 2, 10000.0, torch.float32)
     pools = torch.zeros(1, 4, 1, 2), torch.zeros(1, 4, 1, 2)
-    q_rot = rope_store_torch(x, x, x, *pools, torch.tensor([1], dtype=torch.int32),
+    q_rot = rope_store(x, x, x, *pools, torch.tensor([1], dtype=torch.int32),
                              torch.tensor([2], dtype=torch.int32), cos, sin)
     torch.testing.assert_close(q_rot, torch.tensor([[[math.cos(1.0), math.sin(1.0)]]]))
     torch.testing.assert_close(pools[0][0, 2, 0], torch.tensor([math.cos(1.0), math.sin(1.0)]))
 
 
-def test_rope_store_torch_all_rows_skipped_leaves_pools_alone():
+def test_rope_store_all_rows_skipped_leaves_pools_alone():
     q, k, v, k_pool, v_pool, pos, slots, cos, sin = make_rope_inputs(seed=1)
     k_pool.normal_(generator=torch.Generator().manual_seed(0))
     v_pool.copy_(k_pool)
     before = k_pool.clone()
-    rope_store_torch(q, k, v, k_pool, v_pool, pos, torch.full_like(slots, -1), cos, sin)
+    rope_store(q, k, v, k_pool, v_pool, pos, torch.full_like(slots, -1), cos, sin)
     assert torch.equal(k_pool, before) and torch.equal(v_pool, before)
 
 
-def test_rope_store_torch_compiles_and_mutates_pools():
+def test_rope_store_compiles_and_mutates_pools():
     q, k, v, k_pool, v_pool, pos, slots, cos, sin = make_rope_inputs(seed=2)
     ref_pools = k_pool.clone(), v_pool.clone()
-    ref_q = rope_store("eager", q, k, v, *ref_pools, pos, slots, cos, sin)
-    step = torch.compile(lambda *a: rope_store("sdpa", *a), fullgraph=True, backend="aot_eager")
+    ref_q = rope_store(q, k, v, *ref_pools, pos, slots, cos, sin)
+    step = torch.compile(rope_store, fullgraph=True, backend="aot_eager")
     out_q = step(q, k, v, k_pool, v_pool, pos, slots, cos, sin)
     torch.testing.assert_close(out_q, ref_q, atol=0, rtol=0)
     torch.testing.assert_close(k_pool, ref_pools[0], atol=0, rtol=0, equal_nan=True)

@@ -1,4 +1,4 @@
-"""Triton kernels (paged decode attention, fused rope + store) against the PyTorch backends.
+"""Triton kernels (paged decode attention with the new token's rope + store, the sampler) against PyTorch.
 
 Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, exact for fp32/fp16) at
 tiny shapes; with one, the same tests run on CUDA and the `gpu` tests add bf16 accuracy at the real
@@ -22,10 +22,11 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from test_attention import make_paged_kv, make_rope_inputs  # noqa: E402
+from test_attention import make_paged_kv  # noqa: E402
 
 import kernels.decode_attention as kda  # noqa: E402
-from minigrpo.engine.attention import decode_attention, rope_store  # noqa: E402
+from minigrpo.engine.attention import cached_attention, decode_attention, rope_store  # noqa: E402
+from minigrpo.model.qwen2 import rope_cos_sin  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # False when something imported triton before the flag above was set (e.g. `pytest other_test.py
@@ -62,13 +63,50 @@ def nan_filled_empty():
         det.fill_uninitialized_memory = was_fill
 
 
-def triton_decode(q, k_pool, v_pool, bt, sl, scale, num_splits=0):
+def new_token_case(lens, S, Hq, Hkv, D, dtype=torch.float32, seed=0, device=DEVICE):
+    """A paged cache (`make_paged_kv`) whose sequences' last positions hold NaN, plus the new token's q, k, v
+    (before RoPE) and the rope tables: a kernel that reads the new token from the cache returns NaN.
+    Returns a dict of `decode_attention`'s tensor arguments."""
+    k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, S, Hkv, D, dtype=dtype, seed=seed, device=device)
+    for b, n in enumerate(lens):
+        if n:
+            k_pool[bt[b, (n - 1) // S], (n - 1) % S] = v_pool[bt[b, (n - 1) // S], (n - 1) % S] = float("nan")
+    g = torch.Generator().manual_seed(seed + 1)
+    q, k, v = (torch.randn(len(lens), h, D, generator=g).to(device, dtype) for h in (Hq, Hkv, Hkv))
+    cos, sin = (t.to(device) for t in rope_cos_sin(torch.arange(max(lens + [1])), D, 10000.0, torch.float32))
+    return dict(q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool, block_table=bt, seq_lens=sl, cos=cos, sin=sin)
+
+
+def rope_tolerance(dtype):
+    """Exact under the interpreter. Compiled for the H200, 16% of fp16 rotations differed by one ulp of a
+    product (up to 0.0039 at |x*c| in [2, 4)), as if x*c - y*s had become one FMA that skips one product's
+    rounding (as fp32 showed earlier); a cancelling difference makes that large relative to the result.
+    So on a GPU: two ulps of the largest product (inputs are N(0, 1), |x| < 8, ulp <= 4 eps)."""
+    if DEVICE != "cuda":
+        return dict(atol=0, rtol=0, equal_nan=True)
+    return dict(atol=2 * 4 * torch.finfo(dtype).eps, rtol=0, equal_nan=True)
+
+
+def check_against_eager(case, scale, num_splits=0, launch=None, tol=1e-5):
+    """The kernel (or `launch`, a launcher with the op's arguments) against the eager backend on a copy of the
+    pools: the same output, and the same pools, new rows included, every other byte untouched."""
+    ref_case = {**case, "k_pool": case["k_pool"].clone(), "v_pool": case["v_pool"].clone()}
+    ref = decode_attention("eager", **ref_case, scale=scale)
     with nan_filled_empty():
-        return torch.ops.minigrpo.paged_decode_attention(q, k_pool, v_pool, bt, sl, scale, num_splits)
+        if launch is None:
+            out = torch.ops.minigrpo.paged_decode_attention(**case, scale=scale, num_splits=num_splits)
+        else:
+            out = launch(**case, scale=scale)
+    assert out.shape == case["q"].shape and out.dtype == case["q"].dtype
+    assert out.isfinite().all()
+    assert (out[case["seq_lens"] == 0] == 0).all()
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    for pool in ("k_pool", "v_pool"):
+        torch.testing.assert_close(case[pool], ref_case[pool], **rope_tolerance(case["q"].dtype))
 
 
 # ----------------------------------------------------------------------------------------------------
-# Paged decode attention
+# Paged decode attention, with the new token's RoPE and cache store
 # ----------------------------------------------------------------------------------------------------
 
 GEOMETRIES = {  # lengths (0 = padded slot), page size, q heads, kv heads, head dim
@@ -84,49 +122,33 @@ GEOMETRIES = {  # lengths (0 = padded slot), page size, q heads, kv heads, head 
 @pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
 def test_decode_matches_eager(geometry, dtype, num_splits):
     lens, S, Hq, Hkv, D = geometry
-    k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, S, Hkv, D, dtype=dtype, seed=len(lens), device=DEVICE)
-    q = torch.randn(len(lens), Hq, D, generator=torch.Generator().manual_seed(S)).to(DEVICE, dtype)
-    scale = D ** -0.5
-    out = triton_decode(q, k_pool, v_pool, bt, sl, scale, num_splits)
-    ref = decode_attention("eager", q, k_pool, v_pool, bt, sl, scale)
-    assert out.shape == q.shape and out.dtype == dtype
-    assert out.isfinite().all()
-    assert (out[sl == 0] == 0).all()
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    case = new_token_case(lens, S, Hq, Hkv, D, dtype=dtype, seed=len(lens))
+    check_against_eager(case, D ** -0.5, num_splits, tol=1e-5 if dtype == torch.float32 else 2e-3)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_decode_sequence_filling_its_whole_table(num_splits):
     lens, S = [48, 33], 16
-    k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, S, 2, 64, seed=7, device=DEVICE)
-    bt = bt[:, :math.ceil(max(lens) / S)].contiguous()                  # the 48-token sequence uses every column
-    q = torch.randn(2, 14, 64, generator=torch.Generator().manual_seed(8)).to(DEVICE)
-    ref = decode_attention("eager", q, k_pool, v_pool, bt, sl, 0.125)
-    torch.testing.assert_close(triton_decode(q, k_pool, v_pool, bt, sl, 0.125, num_splits), ref,
-                               atol=1e-5, rtol=1e-5)
+    case = new_token_case(lens, S, 14, 2, 64, seed=7)
+    case["block_table"] = case["block_table"][:, :math.ceil(max(lens) / S)].contiguous()  # 48 uses every column
+    check_against_eager(case, 0.125, num_splits)
 
 
 @pytest.mark.parametrize("block_n, page_size", [(16, 64), (128, 16)])
 def test_decode_other_block_sizes(block_n, page_size):
     # The sweep's other tiles: 16 tokens take several steps per page, 128 span 8 pages per step. Two splits
     # give each sequence multi-step, partial-last-block and single-block splits.
-    lens = [0, 5, 130, 300]
-    k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, page_size, 2, 64, seed=11, device=DEVICE)
-    q = torch.randn(len(lens), 14, 64, generator=torch.Generator().manual_seed(12)).to(DEVICE)
-    with nan_filled_empty():
-        out = kda.launch_paged_decode(q, k_pool, v_pool, bt, sl, 0.125, num_splits=2, block_n=block_n)
-    ref = decode_attention("eager", q, k_pool, v_pool, bt, sl, 0.125)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    case = new_token_case([0, 5, 130, 300], page_size, 14, 2, 64, seed=11)
+    check_against_eager(case, 0.125, launch=lambda scale, **a: kda.launch_paged_decode(
+        **a, scale=scale, num_splits=2, block_n=block_n))
 
 
-def test_decode_strided_q():
-    # q as a view into a fused qkv projection output: rows are not contiguous.
-    k_pool, v_pool, bt, sl, _, _ = make_paged_kv([20, 9], 8, 2, 64, seed=9, device=DEVICE)
-    qkv = torch.randn(2, 18, 64, generator=torch.Generator().manual_seed(10)).to(DEVICE)
-    q = qkv[:, :14]                                                      # (2, 14, 64), stride(0) = 18 * 64
-    ref = decode_attention("eager", q.contiguous(), k_pool, v_pool, bt, sl, 0.125)
-    torch.testing.assert_close(triton_decode(q, k_pool, v_pool, bt, sl, 0.125), ref, atol=1e-5, rtol=1e-5)
+def test_decode_strided_qkv():
+    # q, k, v as views into one fused qkv projection output: rows are not contiguous.
+    case = new_token_case([20, 9, 0], 8, 14, 2, 64, seed=9)
+    qkv = torch.cat([case["q"], case["k"], case["v"]], dim=1)            # (3, 18, 64)
+    case.update(q=qkv[:, :14], k=qkv[:, 14:16], v=qkv[:, 16:])           # stride(0) = 18 * 64
+    check_against_eager(case, 0.125, num_splits=2)
 
 
 def test_num_splits_from_static_shapes():
@@ -141,85 +163,34 @@ def test_num_splits_from_static_shapes():
 
 
 def test_decode_rejects_bad_geometry():
-    k_pool, v_pool, bt, sl, _, _ = make_paged_kv([4], 8, 2, 48, device=DEVICE)  # head_dim 48: not a power of 2
-    q = torch.zeros(1, 4, 48, device=DEVICE)
+    case = new_token_case([4], 8, 4, 2, 48)                              # head_dim 48: not a power of 2
     with pytest.raises(ValueError, match="head_dim must be a power of two"):
-        torch.ops.minigrpo.paged_decode_attention(q, k_pool, v_pool, bt, sl, 1.0)
-    k_pool, v_pool, bt, sl, _, _ = make_paged_kv([4], 8, 2, 64, device=DEVICE)
+        torch.ops.minigrpo.paged_decode_attention(**case, scale=1.0)
+    case = new_token_case([4], 8, 4, 2, 64)
     with pytest.raises(ValueError, match="num_splits must be 0"):
-        torch.ops.minigrpo.paged_decode_attention(torch.zeros(1, 4, 64, device=DEVICE), k_pool, v_pool,
-                                                  bt, sl, 1.0, -2)
+        torch.ops.minigrpo.paged_decode_attention(**case, scale=1.0, num_splits=-2)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Fused rope + store
-# ----------------------------------------------------------------------------------------------------
-
-def rope_tolerance(dtype):
-    """Exact under the interpreter. Compiled for the H200, 16% of fp16 outputs differed by one ulp of a
-    product (up to 0.0039 at |x*c| in [2, 4)), as if x*c - y*s had become one FMA that skips one product's
-    rounding (as fp32 showed earlier); a cancelling difference makes that large relative to the result.
-    So on a GPU: two ulps of the largest product (inputs are N(0, 1), |x| < 8, ulp <= 4 eps)."""
-    if DEVICE != "cuda":
-        return dict(atol=0, rtol=0, equal_nan=True)
-    return dict(atol=2 * 4 * torch.finfo(dtype).eps, rtol=0, equal_nan=True)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("heads", [(14, 2, 64), (4, 4, 128)], ids=["qwen", "mha-d128"])
-def test_rope_store_matches_torch(heads, dtype):
-    Hq, Hkv, D = heads
-    q, k, v, k_pool, v_pool, pos, slots, cos, sin = make_rope_inputs(5, Hq, Hkv, D, dtype=dtype, seed=D,
-                                                                     device=DEVICE)
-    ref_pools = k_pool.clone(), v_pool.clone()
-    ref_q = rope_store("eager", q, k, v, *ref_pools, pos, slots, cos, sin)
-    with nan_filled_empty():
-        out_q = rope_store("triton", q, k, v, k_pool, v_pool, pos, slots, cos, sin)
-    # Same rounding steps as the model's apply_rope: bit-identical, untouched pool bytes still NaN.
-    tol = rope_tolerance(dtype)
-    torch.testing.assert_close(out_q, ref_q, **tol)
-    torch.testing.assert_close(k_pool, ref_pools[0], **tol)
-    torch.testing.assert_close(v_pool, ref_pools[1], **tol)
-
-
-def test_rope_store_strided_inputs_and_all_skipped():
-    q, k, v, k_pool, v_pool, pos, slots, cos, sin = make_rope_inputs(4, 14, 2, 64, seed=3, device=DEVICE)
-    qkv = torch.cat([q, k, v], dim=1)                                    # (B, 18, D) fused projection
-    q, k, v = qkv[:, :14], qkv[:, 14:16], qkv[:, 16:]
-    ref_pools = k_pool.clone(), v_pool.clone()
-    ref_q = rope_store("eager", q, k, v, *ref_pools, pos, slots, cos, sin)
-    out_q = rope_store("triton", q, k, v, k_pool, v_pool, pos, slots, cos, sin)
-    torch.testing.assert_close(out_q, ref_q, **rope_tolerance(q.dtype))
-    torch.testing.assert_close(k_pool, ref_pools[0], **rope_tolerance(q.dtype))
-    before = k_pool.clone()
-    rope_store("triton", q, k, v, k_pool, v_pool, pos, torch.full_like(slots, -1), cos, sin)
-    torch.testing.assert_close(k_pool, before, atol=0, rtol=0, equal_nan=True)
-
-
-# ----------------------------------------------------------------------------------------------------
-# torch.compile: the registered ops trace with no graph break
+# torch.compile: the registered op traces with no graph break
 # ----------------------------------------------------------------------------------------------------
 
 def test_triton_backend_compiles_fullgraph():
     # CPU: Dynamo only (backend="eager"; the interpreter cannot run on fake tensors). CUDA: full Inductor.
     backend = "inductor" if DEVICE == "cuda" else "eager"
-    k_pool, v_pool, bt, sl, _, _ = make_paged_kv([5, 0, 40], 16, 2, 64, seed=11, device=DEVICE)
-    q, k, v, _, _, pos, slots, cos, sin = make_rope_inputs(3, 14, 2, 64, P=k_pool.shape[0], S=16, seed=12,
-                                                           device=DEVICE)
-    slots = torch.tensor([4 * 16 + 5, -1, 2 * 16 + 7], dtype=torch.int32, device=DEVICE)
+    case = new_token_case([5, 0, 40], 16, 14, 2, 64, seed=11)
+    ref_case = {**case, "k_pool": case["k_pool"].clone(), "v_pool": case["v_pool"].clone()}
 
-    def step(q, k, v, k_pool, v_pool, bt, sl):
-        q = rope_store("triton", q, k, v, k_pool, v_pool, pos, slots, cos, sin)
-        return decode_attention("triton", q, k_pool, v_pool, bt, sl, 0.125)
+    def step(q, k, v, k_pool, v_pool, block_table, seq_lens, cos, sin):
+        return decode_attention("triton", q, k, v, k_pool, v_pool, block_table, seq_lens, cos, sin, 0.125) * 2
 
-    pools = k_pool.clone(), v_pool.clone()
-    explain = torch._dynamo.explain(step)(q, k, v, *pools, bt, sl)
+    explain = torch._dynamo.explain(step)(**{**case, "k_pool": case["k_pool"].clone(),
+                                             "v_pool": case["v_pool"].clone()})
     assert explain.graph_break_count == 0, explain.break_reasons
-    ref_pools = k_pool.clone(), v_pool.clone()
-    ref = step(q, k, v, *ref_pools, bt, sl)
-    out = torch.compile(step, fullgraph=True, backend=backend)(q, k, v, k_pool, v_pool, bt, sl)
+    ref = step(**ref_case)
+    out = torch.compile(step, fullgraph=True, backend=backend)(**case)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(k_pool, ref_pools[0], **rope_tolerance(k_pool.dtype))
+    torch.testing.assert_close(case["k_pool"], ref_case["k_pool"], **rope_tolerance(torch.float32))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -233,13 +204,24 @@ def test_bf16_accuracy_at_model_shapes(heads, page_size):
     Hq, Hkv, D = heads
     g = torch.Generator().manual_seed(page_size + D)
     lens = torch.randint(1, 2048, (24,), generator=g).tolist() + [0, 1, 2047]
-    k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, page_size, Hkv, D, seed=D, device="cuda")
-    q = torch.randn(len(lens), Hq, D, generator=g).cuda()
-    bf = [t.bfloat16() for t in (q, k_pool, v_pool)]
-    # fp32 math on the same (bf16-rounded) inputs: the error measured is the kernel's own.
-    ref = decode_attention("eager", *(t.float() for t in bf), bt, sl, D ** -0.5)
+    case = new_token_case(lens, page_size, Hq, Hkv, D, seed=D, device="cuda")
+    bf = {name: t.bfloat16() if t.is_floating_point() and name not in ("cos", "sin") else t
+          for name, t in case.items()}
+    # fp32 math on the same bf16 inputs, q rotated in bf16 as both backends rotate it: the error measured is
+    # the attention's own. The new rows the kernel stores must equal the eager backend's.
+    pos = (case["seq_lens"] - 1).clamp(min=0)
     for num_splits in (0, 1):
-        out = triton_decode(bf[0], bf[1], bf[2], bt, sl, D ** -0.5, num_splits).float()
+        pools = {"k_pool": bf["k_pool"].clone(), "v_pool": bf["v_pool"].clone()}
+        out = torch.ops.minigrpo.paged_decode_attention(**{**bf, **pools}, scale=D ** -0.5,
+                                                        num_splits=num_splits).float()
+        ref_pools = {"k_pool": bf["k_pool"].clone(), "v_pool": bf["v_pool"].clone()}
+        decode_attention("eager", **{**bf, **ref_pools}, scale=D ** -0.5)
+        torch.testing.assert_close(pools["k_pool"], ref_pools["k_pool"], **rope_tolerance(torch.bfloat16))
+        torch.testing.assert_close(pools["v_pool"], ref_pools["v_pool"], atol=0, rtol=0, equal_nan=True)
+        q_rot = rope_store(bf["q"], bf["k"], bf["v"], *(p.clone() for p in ref_pools.values()), pos,
+                           torch.full_like(pos, -1), bf["cos"], bf["sin"])         # stores nothing
+        ref = cached_attention("eager", q_rot.float(), ref_pools["k_pool"].float(), ref_pools["v_pool"].float(),
+                               bf["block_table"], bf["seq_lens"], D ** -0.5)
         assert out.isfinite().all()
         rel = (out - ref).norm() / ref.norm()
         assert rel <= 1e-2, f"relative error {rel:.2e} with num_splits={num_splits}"
@@ -247,27 +229,27 @@ def test_bf16_accuracy_at_model_shapes(heads, page_size):
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_follows_new_lengths():
-    lens = [700, 0, 33, 2000]
-    k_pool, v_pool, bt, sl, _, _ = make_paged_kv(lens, 16, 2, 64, dtype=torch.bfloat16, seed=13, device="cuda")
-    q = torch.randn(4, 14, 64, device="cuda", dtype=torch.bfloat16)
+    case = new_token_case([700, 0, 33, 2000], 16, 14, 2, 64, dtype=torch.bfloat16, seed=13, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):                                      # warm up (compiles the kernels)
-        decode_attention("triton", q, k_pool, v_pool, bt, sl, 0.125)
+        decode_attention("triton", **case, scale=0.125)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode_attention("triton", q, k_pool, v_pool, bt, sl, 0.125)
-    sl.copy_(torch.tensor([1, 0, 17, 1500], dtype=torch.int32))          # shorter: pages still valid
-    q.normal_()
+        out = decode_attention("triton", **case, scale=0.125)
+    case["seq_lens"].copy_(torch.tensor([1, 0, 17, 1500], dtype=torch.int32))  # shorter: pages still valid
+    case["q"].normal_()
+    ref_case = {**case, "k_pool": case["k_pool"].clone(), "v_pool": case["v_pool"].clone()}
     graph.replay()
-    ref = decode_attention("eager", q, k_pool, v_pool, bt, sl, 0.125)
+    ref = decode_attention("eager", **ref_case, scale=0.125)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     assert (out[1] == 0).all()
+    torch.testing.assert_close(case["k_pool"], ref_case["k_pool"], **rope_tolerance(torch.bfloat16))
 
 
 @pytest.mark.gpu
-def test_compiled_ops_do_not_copy_the_pool():
+def test_compiled_op_does_not_copy_the_pool():
     P, S, Hkv, D = 16384, 16, 2, 64                                      # 64 MiB per pool in bf16
     pool_bytes = P * S * Hkv * D * 2
     k_pool, v_pool = (torch.randn(P, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -275,17 +257,16 @@ def test_compiled_ops_do_not_copy_the_pool():
     bt = torch.randperm(P, device="cuda")[:B * 64].view(B, 64).int()
     sl = torch.full((B,), 1000, dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(B, h, D, device="cuda", dtype=torch.bfloat16) for h in (14, Hkv, Hkv))
-    pos = torch.arange(B, dtype=torch.int32, device="cuda")
-    slots = bt[:, 62] * S + 3
     cos, sin = torch.randn(2, 4096, D, device="cuda").unbind(0)
     cos, sin = cos.contiguous(), sin.contiguous()
 
     @torch.compile(fullgraph=True)
     def step(q, k, v, k_pool, v_pool):
-        q = rope_store("triton", q, k, v, k_pool, v_pool, pos, slots, cos, sin)
-        return decode_attention("triton", q, k_pool, v_pool, bt, sl, 0.125)
+        return decode_attention("triton", q, k, v, k_pool, v_pool, bt, sl, cos, sin, 0.125)
 
     step(q, k, v, k_pool, v_pool)                                        # compile
+    new_rows = (bt[:, 999 // S] * S + 999 % S).long()                    # position seq_len - 1 = 999
+    k_pool.view(-1, Hkv, D)[new_rows] = 0
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -293,7 +274,7 @@ def test_compiled_ops_do_not_copy_the_pool():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < pool_bytes // 4, f"compiled step allocated {extra / 2**20:.1f} MiB: a pool was copied"
-    row = k_pool.view(-1, Hkv, D)[slots.long()]                          # the rotated k landed in place
+    row = k_pool.view(-1, Hkv, D)[new_rows]                              # the rotated k landed in place
     assert not torch.equal(row, torch.zeros_like(row)) and row.isfinite().all()
 
 
@@ -347,9 +328,8 @@ def test_ops_add_no_guard_on_a_symbolic_batch(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    import kernels.rope_store as krs
     import kernels.sample as ks
-    for module in (kda, krs, ks):
+    for module in (kda, ks):
         monkeypatch.setattr(module, "wrap_triton", _NoLaunch)
         monkeypatch.setattr(module, "check_runnable", lambda device: None)
     env = ShapeEnv()
@@ -363,15 +343,14 @@ def test_ops_add_no_guard_on_a_symbolic_batch(monkeypatch):
     q, k, v = fake(B, Hq, D), fake(B, Hkv, D), fake(B, Hkv, D)
     k_pool, v_pool = fake(65, S, Hkv, D, batch=False), fake(65, S, Hkv, D, batch=False)
     cos, sin = fake(M * S, D, dtype=torch.float32, batch=False), fake(M * S, D, dtype=torch.float32, batch=False)
-    pos, slots, lens = (fake(B, dtype=torch.int32) for _ in range(3))
+    lens = fake(B, dtype=torch.int32)
     seeds, ctr = fake(B, dtype=torch.int64), fake(B, dtype=torch.int64)
     table, logits = fake(B, M, dtype=torch.int32), fake(B, V)
     splits = kda.choose_num_splits(B, Hkv, M * S, 132)  # what the engine passes: its largest bucket's count
     with mode:
         assert isinstance(q.shape[0], torch.SymInt)
-        krs.rope_store._init_fn(q, k, v, k_pool, v_pool, pos, slots, cos, sin)
-        kda.paged_decode_attention._init_fn(q, k_pool, v_pool, table, lens, 0.125, splits)
+        kda.paged_decode_attention._init_fn(q, k, v, k_pool, v_pool, table, lens, cos, sin, 0.125, splits)
         ks.fused_sample._init_fn(logits, seeds, ctr, 0.9, 4096)
         assert env.guards == []
-        kda.paged_decode_attention._init_fn(q, k_pool, v_pool, table, lens, 0.125, 0)
+        kda.paged_decode_attention._init_fn(q, k, v, k_pool, v_pool, table, lens, cos, sin, 0.125, 0)
         assert env.guards

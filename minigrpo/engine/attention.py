@@ -1,13 +1,16 @@
-"""Decode-step attention (and the RoPE + KV store before it) over the paged KV cache: three interchangeable backends:
+"""Decode-step attention over the paged KV cache: RoPE on the new token, its K/V stored, then attention
+over each sequence, with three interchangeable backends:
 
   eager  - gather each sequence's pages, plain fp32 math: the reference the others are tested against.
   sdpa   - gather pages into a dense padded K/V, then F.scaled_dot_product_attention with a length mask.
-  triton - the paged kernels in `kernels/`, reading K/V straight from the pool.
+  triton - one paged kernel (`kernels/decode_attention.py`) that also rotates and stores, reading K/V
+           straight from the pool.
 
 KV-cache contract (one layer): k_pool, v_pool (P, S, Hkv, D) contiguous; block_table (B, M) int32 lists each
-sequence's pages in order; seq_lens (B,) int32 counts valid tokens including the current one, whose K/V is
-already stored; seq_len 0 (a padded slot) yields zeros. Query head h reads KV head h // n_rep. Static
-shapes and no host sync throughout, for torch.compile(fullgraph=True) and CUDA graphs.
+sequence's pages in order; seq_lens (B,) int32 counts a sequence's tokens including the new one, which sits
+at position seq_lens - 1; seq_len 0 (a padded or finished slot) stores nothing and yields zeros. Query head h
+reads KV head h // n_rep. Static shapes and no host sync throughout, for torch.compile(fullgraph=True) and
+CUDA graphs.
 
 Shape legend: B sequences, Hq query heads, Hkv KV heads, R = n_rep = Hq / Hkv, D head dim, P pages,
 S page size, M block-table width, T = M * S padded context length.
@@ -18,19 +21,36 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.decode_attention import check_decode_inputs
-from kernels.rope_store import check_rope_store_inputs
+from kernels.decode_attention import check_decode_inputs, check_new_token_inputs
 from minigrpo.model.qwen2 import apply_rope
 
 BACKENDS = ("eager", "sdpa", "triton")
 
 
-def decode_attention(backend: str, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits=0) -> torch.Tensor:
-    """Attention of one new query token per sequence over its cached tokens. q (B, Hq, D) -> (B, Hq, D).
-    num_splits: the Triton kernel's split count; 0 picks it from B, which a step compiled once for every B must not."""
+def decode_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                     v_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, scale: float, num_splits: int = 0) -> torch.Tensor:
+    """One new token per sequence: q (B, Hq, D), k, v (B, Hkv, D) before RoPE -> attention output (B, Hq, D).
+    Rotates q and k at position seq_lens - 1 (cos, sin: the model's fp32 tables), stores k and v there, and
+    attends over the sequence. num_splits: the Triton kernel's split count; 0 picks it from B, which a step
+    compiled once for every B must not."""
     if backend == "triton":
-        return torch.ops.minigrpo.paged_decode_attention(q, k_pool, v_pool, block_table, seq_lens, scale, num_splits)
+        return torch.ops.minigrpo.paged_decode_attention(q, k, v, k_pool, v_pool, block_table, seq_lens, cos, sin,
+                                                         scale, num_splits)
+    check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens)
+    check_new_token_inputs(q, k, v, k_pool, cos, sin)
+    S = k_pool.shape[1]
+    pos = (seq_lens - 1).clamp(min=0)                                           # (B,) the new token's position
+    page = block_table.gather(1, (pos // S)[:, None].long()).squeeze(1)         # (B,)
+    slots = torch.where(seq_lens > 0, page * S + pos % S, -1)                   # (B,) int32, -1: store nothing
+    q = rope_store(q, k, v, k_pool, v_pool, pos, slots, cos, sin)
+    return cached_attention(backend, q, k_pool, v_pool, block_table, seq_lens, scale)
+
+
+def cached_attention(backend: str, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of q (B, Hq, D), already rotated, over each sequence's first seq_lens tokens, all already in
+    the cache, in plain PyTorch (backend eager or sdpa). -> (B, Hq, D)"""
     check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens)
     if backend == "eager":
         return _eager_decode(q, k_pool, v_pool, block_table, seq_lens, scale)
@@ -71,17 +91,10 @@ def _sdpa_decode(q, k_pool, v_pool, block_table, seq_lens, scale):
     return out.reshape(q.shape)
 
 
-def rope_store(backend: str, q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
-    """Rotate q and k at `positions`, store rotated k and v at `slots`; returns rotated q (B, Hq, D)."""
-    if backend == "triton":
-        return torch.ops.minigrpo.rope_store(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
-    return rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
-
-
-def rope_store_torch(q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
-    """`rope_store` in plain PyTorch, numerically the model's `apply_rope`. q (B, Hq, D), k/v (B, Hkv, D);
-    positions, slots (B,) int32 (slot = page * S + offset, < 0: skip); cos/sin (max_pos, D) fp32 tables."""
-    check_rope_store_inputs(q, k, v, k_pool, v_pool, positions, slots, cos, sin)
+def rope_store(q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
+    """Rotate q and k at `positions`, store the rotated k and v at `slots`; returns the rotated q (B, Hq, D).
+    Numerically the model's `apply_rope`. q (B, Hq, D), k/v (B, Hkv, D); positions, slots (B,) int32 (slot =
+    page * S + offset, < 0: skip); cos/sin (max_pos, D) fp32 tables."""
     # As the model does: fp32 tables cast to the activation dtype, then the rotation in that dtype.
     c, s = (t[positions][:, None, :].to(q.dtype) for t in (cos, sin))          # (B, 1, D) each
     _store_rows(k_pool, slots, apply_rope(k, c, s))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import kernels  # noqa: F401  (registers torch.ops.minigrpo.*)
-from minigrpo.engine.attention import decode_attention, rope_store
+from minigrpo.engine.attention import decode_attention
 from minigrpo.model.config import ModelConfig
 from minigrpo.model.qwen2 import Qwen2ForCausalLM, apply_rope, rms_norm, rope_cos_sin
 from minigrpo.model.sampling import SAMPLE_CHUNK, SamplingParams, sample
@@ -113,18 +113,13 @@ class DecodeModel(nn.Module):
         cfg = self.cfg
         B = tok.shape[0]
         H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        S = k_pools[0].shape[1]
-        pos32 = pos.int()                                                           # (B,)
-        page = block_table.gather(1, (pos // S)[:, None]).squeeze(1)                # (B,) int32
-        slots = torch.where(live, page * S + pos32 % S, -1)                         # (B,) int32, -1 = no store
-        seq_lens = torch.where(live, pos32 + 1, 0)                                  # (B,) int32
+        seq_lens = torch.where(live, pos.int() + 1, 0)                              # (B,) int32, 0 = store nothing
         x = F.embedding(tok, self.embed)                                            # (B, C)
         for i in range(cfg.num_hidden_layers):
             h = rms_norm(x, self.ln1[i], cfg.rms_norm_eps)
             q, k, v = F.linear(h, self.w_qkv[i], self.b_qkv[i]).split(self.qkv_sizes, dim=-1)
-            q = rope_store(attn, q.view(B, H, D), k.view(B, K, D), v.view(B, K, D),
-                           k_pools[i], v_pools[i], pos32, slots, self.cos, self.sin)  # (B, H, D)
-            o = decode_attention(attn, q, k_pools[i], v_pools[i], block_table, seq_lens, D ** -0.5, num_splits)
+            o = decode_attention(attn, q.view(B, H, D), k.view(B, K, D), v.view(B, K, D), k_pools[i], v_pools[i],
+                                 block_table, seq_lens, self.cos, self.sin, D ** -0.5, num_splits)  # (B, H, D)
             x = x + F.linear(o.reshape(B, H * D), self.w_o[i])
             x = self._mlp(i, x)
         return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)     # (B, V)

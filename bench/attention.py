@@ -117,7 +117,7 @@ def bench_point(B, ctx, S, args, timer, gen):
     kv_bytes = 2 * B * ctx * HKV * D * DTYPE[device].itemsize          # K and V
     n_sets = 1 if device == "cpu" else max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes)))
     q, k, v = (torch.randn(B, h, D, device=device, generator=gen).to(DTYPE[device]) for h in (HQ, HKV, HKV))
-    cos, sin = (torch.rand(ctx, D, device=device, generator=gen) for _ in range(2))      # (ctx, D) fp32
+    cos, sin = (torch.rand(B, D, device=device, generator=gen).to(DTYPE[device]) for _ in range(2))  # (B, D)
     seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
     paged = [make_paged_set(B, ctx, S, device, gen) for _ in range(n_sets)]
     dense = [tuple(torch.randn(B, HKV, ctx, D, device=device, generator=gen).to(DTYPE[device])

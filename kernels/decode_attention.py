@@ -65,13 +65,13 @@ def _paged_decode_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
-    # RoPE at the new token's position, for this group's query heads and (below) its new key.
+    # RoPE at the new token's position, for this group's query heads and (below) its new key. The caller
+    # gathers each sequence's cos/sin row once per step: no load here waits for seq_lens.
     d = tl.arange(0, D)
     partner = (d + D // 2) % D
     sign = tl.where(d < D // 2, -1.0, 1.0)
-    pos = tl.maximum(new, 0)
-    c = tl.load(cos_ptr + pos * D + d).to(DT).to(tl.float32)      # (D,) tables rounded as the model does
-    s = tl.load(sin_ptr + pos * D + d).to(DT).to(tl.float32)
+    c = tl.load(cos_ptr + b * D + d).to(tl.float32)               # (D,) already rounded to DT
+    s = tl.load(sin_ptr + b * D + d).to(tl.float32)
     rows = tl.arange(0, BLOCK_H)                                   # query heads of this group (padded)
     row_ok = rows < N_REP
     heads = kvh * N_REP + rows
@@ -205,8 +205,8 @@ def check_runnable(device: torch.device) -> None:
 
 
 def check_new_token_inputs(q, k, v, k_pool, cos, sin) -> None:
-    """Assert the new token's side of the contract (metadata only): k, v (B, Hkv, D) in q's dtype, the fp32
-    RoPE tables (max_positions, D), last dims contiguous (q, k, v may be views of one fused projection)."""
+    """Assert the new token's side of the contract (metadata only): k, v (B, Hkv, D) in q's dtype, the rotation
+    rows cos, sin (B, D) in q's dtype, last dims contiguous (q, k, v may be views of one fused projection)."""
     B, Hq, D = q.shape
     Hkv = k_pool.shape[2]
     if k.shape != (B, Hkv, D) or v.shape != (B, Hkv, D):
@@ -214,9 +214,9 @@ def check_new_token_inputs(q, k, v, k_pool, cos, sin) -> None:
                          f"{tuple(v.shape)}")
     if not k.dtype == v.dtype == q.dtype:
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.dtype != torch.float32:
-        raise ValueError(f"cos and sin must be float32 (max_positions, head_dim={D}) tables, got "
-                         f"{cos.dtype} {tuple(cos.shape)} and {sin.dtype} {tuple(sin.shape)}")
+    if cos.shape != (B, D) or sin.shape != (B, D) or not cos.dtype == sin.dtype == q.dtype:
+        raise ValueError(f"cos and sin must be this step's rotation rows, (batch={B}, head_dim={D}) in q's dtype "
+                         f"{q.dtype}, got {cos.dtype} {tuple(cos.shape)} and {sin.dtype} {tuple(sin.shape)}")
     if not (cos.is_contiguous() and sin.is_contiguous()) or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("cos and sin must be contiguous, and k and v contiguous in their last dim")
     if len({t.device for t in (q, k, v, cos, sin)}) != 1:
@@ -268,10 +268,10 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
                            v_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                            cos: torch.Tensor, sin: torch.Tensor, scale: float, num_splits: int = 0) -> torch.Tensor:
     """The decode step's attention for one new token per sequence, in one launch (two with splits): rotate q and
-    k at position seq_lens[b] - 1, store k and v there, and return softmax(q K^T * scale) V over the sequence's
-    seq_lens[b] tokens, (B, Hq, D) in q's dtype. q (B, Hq, D), k, v (B, Hkv, D) before RoPE; cos, sin the
-    model's fp32 tables; the cache as in `check_decode_inputs`, except that position seq_lens[b] - 1 is written,
-    never read. num_splits: 0 picks it from static shapes, >= 1 forces it."""
+    k by cos, sin (B, D) (the model's tables at position seq_lens[b] - 1, in q's dtype), store k and v at that
+    position, and return softmax(q K^T * scale) V over the sequence's seq_lens[b] tokens, (B, Hq, D) in q's
+    dtype. q (B, Hq, D), k, v (B, Hkv, D) before RoPE; the cache as in `check_decode_inputs`, except that
+    position seq_lens[b] - 1 is written, never read. num_splits: 0 picks it from static shapes, >= 1 forces it."""
     check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens)
     check_new_token_inputs(q, k, v, k_pool, cos, sin)
     if num_splits < 0:

@@ -146,12 +146,13 @@ def test_backend_compiles_without_graph_breaks(backend):
     (dict(k_pool=torch.zeros(4, 8, 2, 8).transpose(0, 1)), "must both be"),
     (dict(k=torch.zeros(2, 1, 8)), r"k and v must be \(batch=2, kv_heads=2, head_dim=8\)"),
     (dict(v=torch.zeros(2, 2, 8, dtype=torch.float16)), "q, k and v must share a dtype"),
-    (dict(cos=torch.zeros(16, 8, dtype=torch.float64)), "cos and sin must be float32"),
+    (dict(cos=torch.zeros(2, 8, dtype=torch.float64)), r"cos and sin must be this step's rotation rows"),
+    (dict(sin=torch.zeros(16, 8)), r"\(batch=2, head_dim=8\) in q's dtype"),
 ])
 def test_contract_errors_are_specific(bad, match):
     args = dict(q=torch.zeros(2, 4, 8), k=torch.zeros(2, 2, 8), v=torch.zeros(2, 2, 8), k_pool=torch.zeros(4, 8, 2, 8),
                 v_pool=torch.zeros(4, 8, 2, 8), block_table=torch.zeros(2, 3, dtype=torch.int32),
-                seq_lens=torch.zeros(2, dtype=torch.int32), cos=torch.zeros(16, 8), sin=torch.zeros(16, 8))
+                seq_lens=torch.zeros(2, dtype=torch.int32), cos=torch.zeros(2, 8), sin=torch.zeros(2, 8))
     args.update(bad)
     for backend in BACKENDS:
         with pytest.raises((ValueError, TypeError), match=match):
@@ -165,7 +166,7 @@ def test_new_token_is_rotated_stored_and_attended(backend):
     k_pool, v_pool, bt, sl, dk, dv = make_paged_kv(lens, S, Hkv, D, seed=21)
     g = torch.Generator().manual_seed(22)
     q, k, v = (torch.randn(len(lens), h, D, generator=g) for h in (Hq, Hkv, Hkv))
-    cos, sin = rope_cos_sin(torch.arange(64), D, 10000.0, torch.float32)
+    cos, sin = (t[(sl - 1).clamp(min=0)] for t in rope_cos_sin(torch.arange(64), D, 10000.0, torch.float32))
     before = k_pool.clone()
     out = decode_attention(backend, q, k, v, k_pool, v_pool, bt, sl, cos, sin, D ** -0.5)
     changed = ((k_pool != before) & ~before.isnan()) | (before.isnan() & ~k_pool.isnan())
@@ -174,13 +175,12 @@ def test_new_token_is_rotated_stored_and_attended(backend):
         if n == 0:
             assert (out[b] == 0).all()
             continue
-        c, s = cos[n - 1], sin[n - 1]
+        c, s = cos[b], sin[b]
         page, offset = bt[b, (n - 1) // S], (n - 1) % S
         torch.testing.assert_close(k_pool[page, offset], apply_rope(k[b], c, s), atol=0, rtol=0)
         torch.testing.assert_close(v_pool[page, offset], v[b], atol=0, rtol=0)
         dk[b, n - 1], dv[b, n - 1] = apply_rope(k[b], c, s), v[b]
-    ref = dense_reference(apply_rope(q, cos[sl.clamp(min=1) - 1][:, None], sin[sl.clamp(min=1) - 1][:, None]),
-                          dk, dv, lens, D ** -0.5)
+    ref = dense_reference(apply_rope(q, cos[:, None], sin[:, None]), dk, dv, lens, D ** -0.5)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -189,22 +189,23 @@ def test_new_token_is_rotated_stored_and_attended(backend):
 # ----------------------------------------------------------------------------------------------------
 
 def make_rope_inputs(B=4, Hq=14, Hkv=2, D=16, P=5, S=4, dtype=torch.float32, seed=0, device="cpu"):
-    """Fresh random q/k/v, NaN pools, HF-layout fp32 tables, and slots with one skipped (-1) row."""
+    """Fresh random q/k/v, NaN pools, slots with one skipped (-1) row, and each row's rotation: the HF-layout
+    fp32 tables at random positions, cast to the dtype (as the model casts them)."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
     positions = torch.randint(0, 50, (B,), generator=g, dtype=torch.int32)
     slots = torch.randperm(P * S, generator=g)[:B].int()
     slots[1] = -1
-    cos, sin = rope_cos_sin(torch.arange(64), D, 10000.0, torch.float32)            # (64, D) each
+    cos, sin = (t[positions].to(dtype) for t in rope_cos_sin(torch.arange(64), D, 10000.0, torch.float32))
     k_pool = torch.full((P, S, Hkv, D), float("nan"), dtype=dtype)
-    ts = (q, k, v, k_pool, k_pool.clone(), positions, slots, cos, sin)
+    ts = (q, k, v, k_pool, k_pool.clone(), slots, cos, sin)                          # cos, sin (B, D)
     return tuple(t.to(device) for t in ts)
 
 
 def test_rope_store_rotates_and_stores():
-    q, k, v, k_pool, v_pool, pos, slots, cos, sin = make_rope_inputs()
-    q_rot = rope_store(q, k, v, k_pool, v_pool, pos, slots, cos, sin)
-    c, s = cos[pos][:, None], sin[pos][:, None]                                      # (B, 1, D)
+    q, k, v, k_pool, v_pool, slots, cos, sin = make_rope_inputs()
+    q_rot = rope_store(q, k, v, k_pool, v_pool, slots, cos, sin)
+    c, s = cos[:, None], sin[:, None]                                                # (B, 1, D)
     torch.testing.assert_close(q_rot, apply_rope(q, c, s), atol=0, rtol=0)
     flat_k, flat_v = k_pool.view(-1, 2, 16), v_pool.view(-1, 2, 16)
     for b, slot in enumerate(slots.tolist()):
@@ -222,27 +223,26 @@ def test_rope_matches_hand_computed_rotation():
     x = torch.tensor([[[1.0, 0.0]]])
     cos, sin = rope_cos_sin(torch.arange(4), 2, 10000.0, torch.float32)
     pools = torch.zeros(1, 4, 1, 2), torch.zeros(1, 4, 1, 2)
-    q_rot = rope_store(x, x, x, *pools, torch.tensor([1], dtype=torch.int32),
-                             torch.tensor([2], dtype=torch.int32), cos, sin)
+    q_rot = rope_store(x, x, x, *pools, torch.tensor([2], dtype=torch.int32), cos[1:2], sin[1:2])  # position 1
     torch.testing.assert_close(q_rot, torch.tensor([[[math.cos(1.0), math.sin(1.0)]]]))
     torch.testing.assert_close(pools[0][0, 2, 0], torch.tensor([math.cos(1.0), math.sin(1.0)]))
 
 
 def test_rope_store_all_rows_skipped_leaves_pools_alone():
-    q, k, v, k_pool, v_pool, pos, slots, cos, sin = make_rope_inputs(seed=1)
+    q, k, v, k_pool, v_pool, slots, cos, sin = make_rope_inputs(seed=1)
     k_pool.normal_(generator=torch.Generator().manual_seed(0))
     v_pool.copy_(k_pool)
     before = k_pool.clone()
-    rope_store(q, k, v, k_pool, v_pool, pos, torch.full_like(slots, -1), cos, sin)
+    rope_store(q, k, v, k_pool, v_pool, torch.full_like(slots, -1), cos, sin)
     assert torch.equal(k_pool, before) and torch.equal(v_pool, before)
 
 
 def test_rope_store_compiles_and_mutates_pools():
-    q, k, v, k_pool, v_pool, pos, slots, cos, sin = make_rope_inputs(seed=2)
+    q, k, v, k_pool, v_pool, slots, cos, sin = make_rope_inputs(seed=2)
     ref_pools = k_pool.clone(), v_pool.clone()
-    ref_q = rope_store(q, k, v, *ref_pools, pos, slots, cos, sin)
+    ref_q = rope_store(q, k, v, *ref_pools, slots, cos, sin)
     step = torch.compile(rope_store, fullgraph=True, backend="aot_eager")
-    out_q = step(q, k, v, k_pool, v_pool, pos, slots, cos, sin)
+    out_q = step(q, k, v, k_pool, v_pool, slots, cos, sin)
     torch.testing.assert_close(out_q, ref_q, atol=0, rtol=0)
     torch.testing.assert_close(k_pool, ref_pools[0], atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(v_pool, ref_pools[1], atol=0, rtol=0, equal_nan=True)

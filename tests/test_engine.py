@@ -55,6 +55,17 @@ def test_greedy_tokens_equal_reference(model, prompts, attn):
     assert engine.kv.num_free == engine.kv.capacity  # every page back in the pool
 
 
+@pytest.mark.parametrize("attn", BACKENDS)
+def test_sequences_that_fill_max_seq_len_exactly(model, prompts, attn):
+    # A prompt plus its budget is exactly max_seq_len: its last fed token sits at the tables' last position and
+    # its pages fill the block table, while finished slots keep stepping until the next sync (sync_every).
+    prompts = prompts[:2]                                       # 16 + 20 tokens run to the budget
+    ref = reference(model, prompts, new=20)
+    assert max(len(p) + len(t) for p, t in zip([p for p in prompts for _ in range(G)], ref.tokens)) == 36
+    engine = make_engine(model, attn=attn, max_seq_len=36, sync_every=7)
+    assert engine.generate(prompts, G, 20, GREEDY, stop_ids=STOP).tokens == ref.tokens
+
+
 @pytest.mark.parametrize("attn", ["sdpa"])
 def test_sampled_tokens_and_logprobs_equal_reference(model, prompts, attn):
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50)

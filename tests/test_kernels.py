@@ -73,7 +73,9 @@ def new_token_case(lens, S, Hq, Hkv, D, dtype=torch.float32, seed=0, device=DEVI
             k_pool[bt[b, (n - 1) // S], (n - 1) % S] = v_pool[bt[b, (n - 1) // S], (n - 1) % S] = float("nan")
     g = torch.Generator().manual_seed(seed + 1)
     q, k, v = (torch.randn(len(lens), h, D, generator=g).to(device, dtype) for h in (Hq, Hkv, Hkv))
-    cos, sin = (t.to(device) for t in rope_cos_sin(torch.arange(max(lens + [1])), D, 10000.0, torch.float32))
+    tables = rope_cos_sin(torch.arange(max(lens + [1])), D, 10000.0, torch.float32)         # (T, D) each, fp32
+    pos = (torch.tensor(lens) - 1).clamp(min=0)
+    cos, sin = (t[pos].to(device, dtype) for t in tables)                  # (B, D) this step's rotation rows
     return dict(q=q, k=k, v=v, k_pool=k_pool, v_pool=v_pool, block_table=bt, seq_lens=sl, cos=cos, sin=sin)
 
 
@@ -205,11 +207,9 @@ def test_bf16_accuracy_at_model_shapes(heads, page_size):
     g = torch.Generator().manual_seed(page_size + D)
     lens = torch.randint(1, 2048, (24,), generator=g).tolist() + [0, 1, 2047]
     case = new_token_case(lens, page_size, Hq, Hkv, D, seed=D, device="cuda")
-    bf = {name: t.bfloat16() if t.is_floating_point() and name not in ("cos", "sin") else t
-          for name, t in case.items()}
+    bf = {name: t.bfloat16() if t.is_floating_point() else t for name, t in case.items()}
     # fp32 math on the same bf16 inputs, q rotated in bf16 as both backends rotate it: the error measured is
     # the attention's own. The new rows the kernel stores must equal the eager backend's.
-    pos = (case["seq_lens"] - 1).clamp(min=0)
     for num_splits in (0, 1):
         pools = {"k_pool": bf["k_pool"].clone(), "v_pool": bf["v_pool"].clone()}
         out = torch.ops.minigrpo.paged_decode_attention(**{**bf, **pools}, scale=D ** -0.5,
@@ -218,8 +218,8 @@ def test_bf16_accuracy_at_model_shapes(heads, page_size):
         decode_attention("eager", **{**bf, **ref_pools}, scale=D ** -0.5)
         torch.testing.assert_close(pools["k_pool"], ref_pools["k_pool"], **rope_tolerance(torch.bfloat16))
         torch.testing.assert_close(pools["v_pool"], ref_pools["v_pool"], atol=0, rtol=0, equal_nan=True)
-        q_rot = rope_store(bf["q"], bf["k"], bf["v"], *(p.clone() for p in ref_pools.values()), pos,
-                           torch.full_like(pos, -1), bf["cos"], bf["sin"])         # stores nothing
+        q_rot = rope_store(bf["q"], bf["k"], bf["v"], *(p.clone() for p in ref_pools.values()),
+                           torch.full_like(bf["seq_lens"], -1), bf["cos"], bf["sin"])  # stores nothing
         ref = cached_attention("eager", q_rot.float(), ref_pools["k_pool"].float(), ref_pools["v_pool"].float(),
                                bf["block_table"], bf["seq_lens"], D ** -0.5)
         assert out.isfinite().all()
@@ -257,8 +257,7 @@ def test_compiled_op_does_not_copy_the_pool():
     bt = torch.randperm(P, device="cuda")[:B * 64].view(B, 64).int()
     sl = torch.full((B,), 1000, dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(B, h, D, device="cuda", dtype=torch.bfloat16) for h in (14, Hkv, Hkv))
-    cos, sin = torch.randn(2, 4096, D, device="cuda").unbind(0)
-    cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = (torch.randn(B, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 
     @torch.compile(fullgraph=True)
     def step(q, k, v, k_pool, v_pool):
@@ -342,7 +341,7 @@ def test_ops_add_no_guard_on_a_symbolic_batch(monkeypatch):
     B, Hq, Hkv, D, S, M, V = 64, 14, 2, 64, 16, 32, 151_936  # Qwen2.5-0.5B's heads and vocabulary
     q, k, v = fake(B, Hq, D), fake(B, Hkv, D), fake(B, Hkv, D)
     k_pool, v_pool = fake(65, S, Hkv, D, batch=False), fake(65, S, Hkv, D, batch=False)
-    cos, sin = fake(M * S, D, dtype=torch.float32, batch=False), fake(M * S, D, dtype=torch.float32, batch=False)
+    cos, sin = fake(B, D), fake(B, D)
     lens = fake(B, dtype=torch.int32)
     seeds, ctr = fake(B, dtype=torch.int64), fake(B, dtype=torch.int64)
     table, logits = fake(B, M, dtype=torch.int32), fake(B, V)

@@ -31,9 +31,9 @@ def decode_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                      v_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, scale: float, num_splits: int = 0) -> torch.Tensor:
     """One new token per sequence: q (B, Hq, D), k, v (B, Hkv, D) before RoPE -> attention output (B, Hq, D).
-    Rotates q and k at position seq_lens - 1 (cos, sin: the model's fp32 tables), stores k and v there, and
-    attends over the sequence. num_splits: the Triton kernel's split count; 0 picks it from B, which a step
-    compiled once for every B must not."""
+    Rotates q and k by cos, sin (B, D) (the model's tables at position seq_lens - 1, in q's dtype), stores k
+    and v at that position, and attends over the sequence. num_splits: the Triton kernel's split count; 0
+    picks it from B, which a step compiled once for every B must not."""
     if backend == "triton":
         return torch.ops.minigrpo.paged_decode_attention(q, k, v, k_pool, v_pool, block_table, seq_lens, cos, sin,
                                                          scale, num_splits)
@@ -43,7 +43,7 @@ def decode_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     pos = (seq_lens - 1).clamp(min=0)                                           # (B,) the new token's position
     page = block_table.gather(1, (pos // S)[:, None].long()).squeeze(1)         # (B,)
     slots = torch.where(seq_lens > 0, page * S + pos % S, -1)                   # (B,) int32, -1: store nothing
-    q = rope_store(q, k, v, k_pool, v_pool, pos, slots, cos, sin)
+    q = rope_store(q, k, v, k_pool, v_pool, slots, cos, sin)
     return cached_attention(backend, q, k_pool, v_pool, block_table, seq_lens, scale)
 
 
@@ -91,16 +91,14 @@ def _sdpa_decode(q, k_pool, v_pool, block_table, seq_lens, scale):
     return out.reshape(q.shape)
 
 
-def rope_store(q, k, v, k_pool, v_pool, positions, slots, cos, sin) -> torch.Tensor:
-    """Rotate q and k at `positions`, store the rotated k and v at `slots`; returns the rotated q (B, Hq, D).
-    Numerically the model's `apply_rope`. q (B, Hq, D), k/v (B, Hkv, D); positions, slots (B,) int32 (slot =
-    page * S + offset, < 0: skip); cos/sin (max_pos, D) fp32 tables."""
-    # As the model does: fp32 tables cast to the activation dtype, then the rotation in that dtype.
-    c, s = (t[positions][:, None, :].to(q.dtype) for t in (cos, sin))          # (B, 1, D) each
+def rope_store(q, k, v, k_pool, v_pool, slots, cos, sin) -> torch.Tensor:
+    """Rotate q and k by cos, sin, store the rotated k and v at `slots`; returns the rotated q (B, Hq, D).
+    Numerically the model's `apply_rope`. q (B, Hq, D), k/v (B, Hkv, D); slots (B,) int32 (slot = page * S +
+    offset, < 0: skip); cos/sin (B, D) each sequence's rotation row, in q's dtype."""
+    c, s = cos[:, None, :], sin[:, None, :]                                     # (B, 1, D) each
     _store_rows(k_pool, slots, apply_rope(k, c, s))
     _store_rows(v_pool, slots, v)
     return apply_rope(q, c, s)                                                  # (B, Hq, D)
-
 
 def _store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """pool.view(P*S, Hkv, D)[slots[b]] = rows[b] wherever slots[b] >= 0, with static shapes: a skipped row

@@ -115,11 +115,12 @@ class DecodeModel(nn.Module):
         H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         seq_lens = torch.where(live, pos.int() + 1, 0)                              # (B,) int32, 0 = store nothing
         x = F.embedding(tok, self.embed)                                            # (B, C)
+        cos, sin = (t[pos].to(x.dtype) for t in (self.cos, self.sin))              # (B, D) each, all layers
         for i in range(cfg.num_hidden_layers):
             h = rms_norm(x, self.ln1[i], cfg.rms_norm_eps)
             q, k, v = F.linear(h, self.w_qkv[i], self.b_qkv[i]).split(self.qkv_sizes, dim=-1)
             o = decode_attention(attn, q.view(B, H, D), k.view(B, K, D), v.view(B, K, D), k_pools[i], v_pools[i],
-                                 block_table, seq_lens, self.cos, self.sin, D ** -0.5, num_splits)  # (B, H, D)
+                                 block_table, seq_lens, cos, sin, D ** -0.5, num_splits)  # (B, H, D)
             x = x + F.linear(o.reshape(B, H * D), self.w_o[i])
             x = self._mlp(i, x)
         return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)     # (B, V)

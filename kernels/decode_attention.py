@@ -79,9 +79,23 @@ def _paged_decode_kernel(
     q = _rotate(q_rows, d[None, :], partner[None, :], sign[None, :], c[None, :], s[None, :], row_ok[:, None],
                 DT)                                                # (BLOCK_H, D)
 
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)              # running max (log2 units)
-    l = tl.zeros([BLOCK_H], tl.float32)                            # running softmax denominator
-    acc = tl.zeros([BLOCK_H, D], tl.float32)                       # running numerator
+    # The split that holds the new token starts its online softmax with it, from registers, and stores its K/V
+    # in the cache. First, so that these loads overlap the loop's instead of trailing it; no program of this
+    # launch reads that row, so the store needs no ordering.
+    owner = (new >= lo) & (new < hi)
+    mine = d < tl.where(owner, D, 0)                               # (D,) all true or all false
+    k_new = _rotate(k_ptr + b * stride_kb + kvh * stride_kh, d, partner, sign, c, s, mine, DT)  # (D,)
+    v_new = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + d, mask=mine, other=0.0)         # (D,)
+    new_page = tl.load(block_table_ptr + b * stride_bt + tl.maximum(new, 0) // PAGE)  # in the row: new < M * S
+    new_row = (new_page.to(tl.int64) * PAGE + new % PAGE) * (HKV * D) + kvh * D
+    tl.store(k_pool_ptr + new_row + d, k_new, mask=mine)
+    tl.store(v_pool_ptr + new_row + d, v_new, mask=mine)
+    s_new = (tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale).to(tl.float32)  # (BLOCK_H,)
+
+    # Online softmax state (log2 units): max, denominator, numerator; with the new token, exp2(0) = 1 times v.
+    m = tl.where(owner, s_new, float("-inf"))                      # (BLOCK_H,)
+    l = tl.where(owner, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32) + v_new.to(tl.float32)[None, :]  # v_new is 0 unless owner
     cached_hi = tl.minimum(hi, new)                                # the cache holds positions < new
     for start in range(lo, cached_hi, BLOCK_N):
         tok = start + tl.arange(0, BLOCK_N)                        # (BLOCK_N,) positions in the sequence
@@ -103,24 +117,6 @@ def _paged_decode_kernel(
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
-
-    if (new >= lo) & (new < hi):
-        # The split that holds the new token takes its K/V from registers and stores them in the cache: no
-        # program of this launch reads that row, so the store needs no ordering.
-        k_row = k_ptr + b * stride_kb + kvh * stride_kh
-        k_new = _rotate(k_row, d, partner, sign, c, s, d < D, DT)                   # (D,)
-        v_new = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + d)                # (D,)
-        s_new = (tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale).to(tl.float32)
-        m_last = tl.maximum(m, s_new)
-        scale_old = tl.exp2(m - m_last)
-        p_new = tl.exp2(s_new - m_last)
-        l = l * scale_old + p_new
-        acc = acc * scale_old[:, None] + p_new.to(DT).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
-        m = m_last
-        new_page = tl.load(block_table_ptr + b * stride_bt + new // PAGE)
-        slot_row = (new_page.to(tl.int64) * PAGE + new % PAGE) * (HKV * D) + kvh * D
-        tl.store(k_pool_ptr + slot_row + d, k_new)
-        tl.store(v_pool_ptr + slot_row + d, v_new)
 
     # An empty split (or seq_len 0) has l == 0: output 0 and lse -inf, which the merge weighs as nothing.
     has_any = l > 0

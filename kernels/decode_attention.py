@@ -5,9 +5,9 @@ Decode attention is pure memory traffic, so the design reads the cache once, str
   D contiguous elements (16-byte vector loads).
 * One program per (sequence, KV head, split) serves all n_rep query heads of the group with `tl.dot`s,
   so each K/V tile is read once per group.
-* The new token's RoPE and cache store are folded in (they were a kernel of their own, ~2.4 us per layer,
-  while the decode step is bound by its kernel count: bench/NOTES.md): every program rotates its q heads;
-  the split that holds the new position rotates k, scores it from registers and writes k and v to the cache.
+* The new token's RoPE and cache store are folded in, one launch fewer per layer (the decode step is bound
+  by its kernel count, bench/NOTES.md): every program rotates its q heads; the split that holds the new
+  position rotates k, starts its softmax with the new token from registers and writes k and v to the cache.
 * Split-K over the sequence fills the GPU when batch * kv_heads cannot: each split runs an online softmax
   (fp32, log2 domain) and writes a normalised partial output and its log-sum-exp; a second kernel merges them.
 

@@ -307,6 +307,7 @@ def test_old_logprobs_from_the_first_epoch_equal_a_separate_scoring_pass(tmp_pat
     trainer._update = spy
     m = trainer.step()
     assert m["optimizer_steps"] == 2 and not torch.equal(initial.lm_head.weight, model.lm_head.weight)
+    assert "old_logp_gap_max" not in m  # the old log-probs are that forward's own
     old, entropy = trainer._score(lambda batch, ent: trainer._logprobs(initial, batch, ent), seen["batch"],
                                   return_entropy=True)  # the policy before the step
     mask = seen["batch"].mask.bool()
@@ -324,6 +325,8 @@ def test_several_minibatches_score_the_old_policy_in_a_separate_pass(tmp_path):
     m = trainer.step()
     # the no-grad pass in score-batches of 5, then two minibatches of 4 rows in micro-batches of 2
     assert rows[:2] == [5, 3] and rows[2:] == [2, 2, 2, 2] and m["optimizer_steps"] == 2
+    # The first minibatch's forward sees the weights the scoring pass saw: in fp32 the same log-probs.
+    assert 0 <= m["old_logp_gap_mean"] <= m["old_logp_gap_max"] < 1e-5
 
 
 # ------------------------------------------------------------------------------------------ learning and resume

@@ -34,12 +34,21 @@ class UpdateSums:
     def __init__(self, device):
         self.sums = torch.zeros(4, device=device)  # loss, clipped tokens, KL x tokens, tokens
         self.norms: list[torch.Tensor | None] = []  # each optimizer step's pre-clip gradient norm; None: skipped
+        self.gap = torch.zeros(3, device=device)   # |old log-prob gap| summed, its tokens, its max
 
     def add(self, loss: torch.Tensor, stats: dict, tokens: torch.Tensor) -> None:
         """One micro-batch's loss and dr_grpo_loss stats, over `tokens` trained tokens."""
         self.sums += torch.stack([loss.detach(), stats["clip_frac"] * tokens, stats["kl"] * tokens, tokens])
 
-    def metrics(self, dist: Dist, with_kl: bool) -> dict:
+    def add_old_gap(self, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> None:
+        """A training forward before the update's first optimizer step against the old log-probs scored for the
+        same rows (m, C') each: the same weights, so a gap is the scoring pass's and the training forward's
+        numerics (bf16 kernels at other batch shapes), which the first ratios carry as noise."""
+        diff = (logp.detach() - old_logp).abs() * mask                                  # (m, C')
+        self.gap += torch.stack([diff.sum(), mask.sum(), torch.zeros_like(diff.sum())])
+        self.gap[2] = torch.maximum(self.gap[2], diff.max())
+
+    def metrics(self, dist: Dist, with_kl: bool, with_old_gap: bool) -> dict:
         loss, clip, kl, tokens = dist.all_reduce(self.sums)
         tokens = tokens.clamp(min=1)
         norms = [n for n in self.norms if n is not None]
@@ -49,6 +58,10 @@ class UpdateSums:
             out["nonfinite_grad_steps"] = len(self.norms) - len(norms)
         if with_kl:
             out["kl"] = (kl / tokens).item()
+        if with_old_gap:  # every rank reduces (a rank may have trained no row before the first step)
+            gap_sum, gap_tokens = dist.all_reduce(self.gap[:2]).tolist()
+            out.update(old_logp_gap_mean=gap_sum / max(gap_tokens, 1),
+                       old_logp_gap_max=dist.all_reduce(self.gap[2:], "max").item())
         return out
 
 

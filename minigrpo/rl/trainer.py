@@ -217,12 +217,14 @@ class Trainer:
                         old_logp[real, :mb.C], entropy[real, :mb.C] = logp[:n].detach(), ent[:n]
                     else:
                         logp = self.policy(mb)                                                 # (m, C')
+                        if not sums.norms and weight:  # no optimizer step yet: the old policy, scored twice
+                            sums.add_old_gap(logp, old_logp[idx, :mb.C], mb.mask)
                     loss, stats = self._loss(logp, mb.mask, idx, rows, old_logp, ref_logp)
                     (loss * weight).backward()
                 if weight:
                     sums.add(loss, stats, mb.mask.sum())
             sums.norms.append(self._optimizer_step(k))
-        return sums.metrics(self.dist, with_kl=ref_logp is not None), old_logp, entropy
+        return sums.metrics(self.dist, with_kl=ref_logp is not None, with_old_gap=not fill), old_logp, entropy
 
     def _loss(self, logp, mask, idx, rows: _Rows, old_logp, ref_logp):
         """dr_grpo_loss of the micro-batch of rows `idx`, normalised by the whole minibatch, each token weighted by

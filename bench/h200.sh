@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|linear|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|compile100|speed|speedbig|templates
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|linear|report|decodevs|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|compile100|speed|speedbig|templates
 # (and `revs`, run here before a device call, not there)
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
@@ -39,6 +39,19 @@ case "${1:-}" in
     python3 bench/linear.py "${@:2}" ;;
   report)      # graphs, graph breaks and kernel launches per decode step, per backend
     python3 bench/decode.py --report "${@:2}" ;;
+  decodevs)    # the 64-sequence decode step (Triton, compiled, CUDA graphs) of this tree, of each code version named
+               # (trees in .rev/, see revs; carry .rev) and of this tree with Inductor's programmatic dependent
+               # launch (TORCHINDUCTOR_ENABLE_PDL=1), one process each, in one call (~80 s each):
+               # `decodevs merge` after `revs merge=i20merge` here
+    ARGS=(--workloads 8x8 --attn triton --modes step+graphs --sampler triton --peers none)
+    O=$(realpath "$OUT")
+    for t in . "${@:2}"; do
+      d=.; [ "$t" = . ] || d=.rev/$t
+      echo "== ${t/#./main}"; (cd "$d" && PYTHONPATH=$PWD python3 bench/decode.py "${ARGS[@]}" --out "$O/decode_${t/#./main}") \
+        | grep -E "^triton|floors"
+    done
+    echo "== main, TORCHINDUCTOR_ENABLE_PDL=1"
+    TORCHINDUCTOR_ENABLE_PDL=1 python3 bench/decode.py "${ARGS[@]}" --out "$O/decode_pdl" | grep -E "^triton|floors" ;;
   logprobs)    # memory of chunked vs full-logit log-probs
     python3 bench/logprobs_memory.py ;;
   train)       # one full Dr. GRPO step per backend on a random-initialised Qwen2.5-0.5B
@@ -221,6 +234,6 @@ print('steps', len(c), 'compile_s total', round(sum(c), 1), 'steps compiling', [
                # evaluation (r1, 4 samples x 32 test examples). One process, one compile (~3 min in all)
     rand 0.5b
     python3 bench/templates.py --model-dir /tmp/rand05b --data "$DATA" "${@:2}" ;;
-  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|linear|report|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|compile100|speed|speedbig|templates|revs [args]"
+  *) echo "usage: bash bench/h200.sh checks|fitted|attention|decode64|decode256|linear|report|decodevs|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|compile100|speed|speedbig|templates|revs [args]"
      exit 2 ;;
 esac

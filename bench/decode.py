@@ -152,7 +152,7 @@ def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
     H, K, D = m.cfg.num_attention_heads, m.cfg.num_key_value_heads, m.cfg.head_dim
     q, k, v = (torch.randn(B, h, D, device="cuda", dtype=m.embed.dtype) for h in (H, K, K))
     lens = torch.full((B,), ctx + 1, dtype=torch.int32, device="cuda")
-    cos, sin = (t[ctx].expand(B, D).to(q.dtype) for t in (m.cos, m.sin))          # (B, D) each
+    cos, sin = (t[ctx].to(q.dtype).expand(B, D).contiguous() for t in (m.cos, m.sin))  # (B, D) each
     attn_ms = time_graph(lambda: [decode_attention(attn, q, k, v, kv.k[i], kv.v[i], table, lens, cos, sin,
                                                    D ** -0.5) for i in range(len(kv.k))])
     logits = torch.randn(B, m.cfg.vocab_size, device="cuda", dtype=m.embed.dtype)

@@ -44,6 +44,35 @@ def _rotate(x_ptr, d, partner, sign, c, s, mask, DT: tl.constexpr):
 
 
 @triton.jit
+def _attend_cached(q, m, l, acc, table_row_ptr, k_pool_ptr, v_pool_ptr, kvh, lo, hi, qk_scale, HKV: tl.constexpr,
+                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The online softmax (m, l, acc: max, denominator, numerator, log2 units) of q (BLOCK_H, D) carried over
+    cached positions [lo, hi) of one sequence, whose pages table_row_ptr lists, in BLOCK_N-token steps."""
+    d = tl.arange(0, D)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)                        # (BLOCK_N,) positions in the sequence
+        tok_ok = tok < hi
+        page = tl.load(table_row_ptr + tok // PAGE, mask=tok_ok, other=0)
+        # int64: page * PAGE * HKV * D overflows int32 on large pools.
+        row = (page.to(tl.int64) * PAGE + tok % PAGE) * (HKV * D) + kvh * D   # (BLOCK_N,) element offsets
+        kv_off = row[:, None] + d[None, :]                                     # (BLOCK_N, D)
+        k = tl.load(k_pool_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        v = tl.load(v_pool_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+
+        # Under torch.compile the Python-float scale can arrive as fp64; the cast keeps the loop-carried
+        # softmax state fp32 (Triton rejects a loop variable whose type changes).
+        s_blk = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)  # (BLOCK_H, BLOCK_N)
+        s_blk = tl.where(tok_ok[None, :], s_blk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s_blk, 1))    # finite: every step has at least one valid token
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s_blk - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_pool_ptr, v_pool_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_bt, stride_ob, stride_oh, stride_os,
@@ -51,8 +80,8 @@ def _paged_decode_kernel(
     HKV: tl.constexpr, N_REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
-    # fp32 inputs (tests) get exact products; bf16/fp16 ignore the setting and use tensor cores.
     DT: tl.constexpr = q_ptr.dtype.element_ty
+    # fp32 inputs (tests) get exact products; bf16/fp16 ignore the setting and use tensor cores.
     DOT_PRECISION: tl.constexpr = "ieee" if DT == tl.float32 else "tf32"
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -96,27 +125,8 @@ def _paged_decode_kernel(
     m = tl.where(owner, s_new, float("-inf"))                      # (BLOCK_H,)
     l = tl.where(owner, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32) + v_new.to(tl.float32)[None, :]  # v_new is 0 unless owner
-    cached_hi = tl.minimum(hi, new)                                # the cache holds positions < new
-    for start in range(lo, cached_hi, BLOCK_N):
-        tok = start + tl.arange(0, BLOCK_N)                        # (BLOCK_N,) positions in the sequence
-        tok_ok = tok < cached_hi
-        page = tl.load(block_table_ptr + b * stride_bt + tok // PAGE, mask=tok_ok, other=0)
-        # int64: page * PAGE * HKV * D overflows int32 on large pools.
-        row = (page.to(tl.int64) * PAGE + tok % PAGE) * (HKV * D) + kvh * D   # (BLOCK_N,) element offsets
-        kv_off = row[:, None] + d[None, :]                                     # (BLOCK_N, D)
-        k = tl.load(k_pool_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
-        v = tl.load(v_pool_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
-
-        # Under torch.compile the Python-float scale can arrive as fp64; the cast keeps the loop-carried
-        # softmax state fp32 (Triton rejects a loop variable whose type changes).
-        s_blk = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale).to(tl.float32)  # (BLOCK_H, BLOCK_N)
-        s_blk = tl.where(tok_ok[None, :], s_blk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s_blk, 1))    # finite: every step has at least one valid token
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s_blk - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+    m, l, acc = _attend_cached(q, m, l, acc, block_table_ptr + b * stride_bt, k_pool_ptr, v_pool_ptr, kvh, lo,
+                               tl.minimum(hi, new), qk_scale, HKV, D, PAGE, BLOCK_N, DOT_PRECISION)  # positions < new
 
     # An empty split (or seq_len 0) has l == 0: output 0 and lse -inf, which the merge weighs as nothing.
     has_any = l > 0

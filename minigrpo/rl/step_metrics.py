@@ -45,7 +45,7 @@ class UpdateSums:
         same rows (m, C') each: the same weights, so a gap is the scoring pass's and the training forward's
         numerics (bf16 kernels at other batch shapes), which the first ratios carry as noise."""
         diff = (logp.detach() - old_logp).abs() * mask                                  # (m, C')
-        self.gap += torch.stack([diff.sum(), mask.sum(), torch.zeros_like(diff.sum())])
+        self.gap[:2] += torch.stack([diff.sum(), mask.sum()])
         self.gap[2] = torch.maximum(self.gap[2], diff.max())
 
     def metrics(self, dist: Dist, with_kl: bool, with_old_gap: bool) -> dict:

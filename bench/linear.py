@@ -120,6 +120,77 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     return (y if b is None else y + b).to(x.dtype)
 
 
+@triton.jit
+def _chain_mm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr, K_LINES: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr, PREFETCH: tl.constexpr):
+    """out (M, N) bf16 = x (M, K) @ w (N, K).T, one program per BLOCK_N columns, no split. PDL: wait for
+    the previous grid (griddepcontrol.wait) only before the first load of x, and let the next grid launch
+    right after; PREFETCH: before that wait, ask L2 for this program's weight rows (one prefetch per
+    128-byte line), which do not depend on the previous kernel (CUTLASS's example 63 does this with TMA)."""
+    n = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = (rm < M)[:, None]
+    n_ok = rn < N
+    if PREFETCH:
+        lines = tl.arange(0, K_LINES)                                              # 64 bf16 = 128 bytes each
+        rows, cols = tl.minimum(rn, N - 1), tl.minimum(lines, K // 64 - 1)          # no address past w
+        addr = w_ptr + rows[:, None] * K + cols[None, :] * 64                       # (BLOCK_N, K_LINES)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [addr], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k + rk)[None, :], mask=m_ok, other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * K + (k + rk)[:, None], mask=n_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc)
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_ok & n_ok[None, :])
+
+
+def pdl_chains(cfg: ModelConfig, rows: int) -> dict:
+    """The matmuls alone (no adds, no SiLU: nothing but matmuls in the graph), each reading the previous one's
+    output, in one CUDA graph: cuBLAS, and one Triton kernel launched plainly, with programmatic dependent
+    launch (the next kernel's programs start while this one finishes, and wait for it in-kernel), and with
+    PDL plus an L2 prefetch of the weights before the wait. ms per chain, and the Triton chains' max error
+    against cuBLAS's output, relative to its largest value."""
+    L, HD = cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim
+    Fw = cfg.intermediate_size
+    x0, w_qkv, _, w_o, w_gu, w_down, head = chain_weights(cfg, rows)
+    ws = [w for i in range(L) for w in (w_qkv[i], w_o[i], w_gu[i], w_down[i])] + [head]
+    ins = [HD, None, Fw, None] * L  # the columns of the previous output a matmul reads: q of qkv, gate of gate_up
+    outs = [torch.empty(rows, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in ws]
+
+    def run(lin):
+        x = x0
+        for w, out, cols in zip(ws, outs, [None] + ins):
+            x = lin(x if cols is None else x[:, :cols], w, out)
+        return x
+
+    def cublas(x, w, out):
+        return torch.mm(x, w.t(), out=out)
+
+    def triton_mm(pdl: bool, prefetch: bool):
+        def lin(x, w, out):
+            N, K = w.shape
+            bn = 64 if N > 4096 else 16
+            _chain_mm_kernel[(triton.cdiv(N, bn),)](
+                x, w, out, x.shape[0], N, x.stride(0), K=K, K_LINES=triton.next_power_of_2(triton.cdiv(K, 64)),
+                BLOCK_M=max(16, triton.next_power_of_2(x.shape[0])), BLOCK_N=bn, BLOCK_K=64, PDL=pdl,
+                PREFETCH=prefetch, num_warps=4, num_stages=4, launch_pdl=pdl)
+            return out
+        return lin
+    ref = run(cublas).float()
+    result = {"cublas_ms": time_graph(lambda: run(cublas))}
+    for name, pdl, prefetch in (("triton", False, False), ("triton_pdl", True, False),
+                                ("triton_pdl_prefetch", True, True)):
+        lin = triton_mm(pdl, prefetch)
+        err = (run(lin).float() - ref).abs().max().item() / ref.abs().max().item()
+        result[f"{name}_ms"], result[f"{name}_rel_err"] = time_graph(lambda: run(lin)), err
+    return {k: round(v, 4) if k.endswith("_ms") else v for k, v in result.items()}
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -224,6 +295,8 @@ def main():
     p.add_argument("--config", type=Path, default=None, help="folder with config.json (default: Qwen2.5-0.5B)")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--autotune", action="store_true")
+    p.add_argument("--pdl", action="store_true", help="only the matmul-only chains with and without programmatic "
+                   "dependent launch (pdl_chains)")
     args = p.parse_args()
     cfg = ModelConfig.from_json((args.config or qwen_dir()) / "config.json")
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # the default; stated
@@ -232,7 +305,11 @@ def main():
     path = Path(os.environ.get("OUT", "out")) / "bench_linear.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"copy bandwidth {copy_tbs:.3f} TB/s")
-    for rows in args.rows:
+    for rows in args.rows if args.pdl else ():
+        out["chains"].append(dict(rows=rows, chain="pdl", **pdl_chains(cfg, rows)))
+        print(json.dumps(out["chains"][-1]))
+        path.write_text(json.dumps(out, indent=1))
+    for rows in args.rows if not args.pdl else ():
         for name, (N, K) in shapes(cfg).items():
             r = per_shape(name, N, K, rows, copy_tbs, args.sweep)
             out["shapes"].append(r)

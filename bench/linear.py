@@ -173,14 +173,14 @@ def pdl_chains(cfg: ModelConfig, rows: int) -> dict:
     def cublas(x, w, out):
         return torch.mm(x, w.t(), out=out)
 
-    def triton_mm(pdl: bool, prefetch: bool):
+    def triton_mm(pdl: bool, prefetch: bool, wide_n: int = 64, stages: int = 4):
         def lin(x, w, out):
             N, K = w.shape
-            bn = 64 if N > 4096 else 16
+            bn = wide_n if N > 4096 else 16
             _chain_mm_kernel[(triton.cdiv(N, bn),)](
                 x, w, out, x.shape[0], N, x.stride(0), K=K, K_LINES=triton.next_power_of_2(triton.cdiv(K, 64)),
                 BLOCK_M=max(16, triton.next_power_of_2(x.shape[0])), BLOCK_N=bn, BLOCK_K=64, PDL=pdl,
-                PREFETCH=prefetch, num_warps=4, num_stages=4, launch_pdl=pdl)
+                PREFETCH=prefetch, num_warps=4, num_stages=stages, launch_pdl=pdl)
             return out
         return lin
     ref = run(cublas).float()
@@ -190,6 +190,9 @@ def pdl_chains(cfg: ModelConfig, rows: int) -> dict:
         lin = triton_mm(pdl, prefetch)
         err = (run(lin).float() - ref).abs().max().item() / ref.abs().max().item()
         result[f"{name}_ms"], result[f"{name}_rel_err"] = time_graph(lambda: run(lin)), err
+    for wide_n, stages in ((32, 4), (128, 4), (64, 2), (64, 6)):  # the prefetching chain's tiles and stages
+        lin = triton_mm(True, True, wide_n, stages)
+        result[f"triton_pdl_prefetch_n{wide_n}_s{stages}_ms"] = time_graph(lambda: run(lin))
     return {k: round(v, 4) if k.endswith("_ms") else v for k, v in result.items()}
 
 

@@ -4,7 +4,7 @@ Session 15 asked whether the decode step's matmul chain (3.4x its weight bytes a
 cuBLAS leaves SMs idle on narrow outputs (o_proj and down_proj: N = 896). The kernel here tiles N by 32 and
 splits K so that every matmul runs on ~2 programs per SM, fp32 partials summed by the next kernel; it lives
 here, not in `kernels/`, because it did not win (bench/NOTES.md, session 15): each small matmul costs ~3-4 us
-whoever computes it, so the chain is bound by its kernel count, not by bandwidth.
+whoever computes it, so the chain is bound by each matmul's fixed cost, not by bandwidth.
 
 For one model config (default Qwen2.5-0.5B) and each batch size given, with bf16 random weights:
   per shape  qkv, o_proj, gate_up, down_proj and the LM head, each timed over enough distinct weight copies
@@ -17,9 +17,12 @@ For one model config (default Qwen2.5-0.5B) and each batch size given, with bf16
              reading layer 0's weights (`cublas_l2`: the weights stay in L2, so the chain's cost without
              HBM latency), and `skinny_mlp` (`fused_chain_ms`: one kernel fewer per layer); --autotune adds
              Inductor's max-autotune (its Triton GEMM templates).
+  --pdl      instead, the matmuls alone chained in one graph: cuBLAS against one Triton kernel launched plainly,
+             with programmatic dependent launch, with an L2 prefetch of its weights, and with both
+             (`pdl_chains`; bench/NOTES.md, session 17).
 Timing: CUDA-graph replay, median (`bench/timing.py`). JSON to $OUT/bench_linear.json.
 
-    python bench/linear.py [--rows 64 256] [--config DIR] [--sweep] [--autotune]
+    python bench/linear.py [--rows 64 256] [--config DIR] [--sweep] [--autotune] [--pdl]
 """
 
 from __future__ import annotations
@@ -154,9 +157,9 @@ def _chain_mm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr, K_
 def pdl_chains(cfg: ModelConfig, rows: int) -> dict:
     """The matmuls alone (no adds, no SiLU: nothing but matmuls in the graph), each reading the previous one's
     output, in one CUDA graph: cuBLAS, and one Triton kernel launched plainly, with programmatic dependent
-    launch (the next kernel's programs start while this one finishes, and wait for it in-kernel), and with
-    PDL plus an L2 prefetch of the weights before the wait. ms per chain, and the Triton chains' max error
-    against cuBLAS's output, relative to its largest value."""
+    launch (the next kernel's programs start while this one finishes, and wait for it in-kernel), with an
+    L2 prefetch of its weights first, and with both (then also at other wide-N tiles and stage counts).
+    ms per chain, and the Triton chains' max error against cuBLAS's output, relative to its largest value."""
     L, HD = cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim
     Fw = cfg.intermediate_size
     x0, w_qkv, _, w_o, w_gu, w_down, head = chain_weights(cfg, rows)
@@ -186,11 +189,11 @@ def pdl_chains(cfg: ModelConfig, rows: int) -> dict:
     ref = run(cublas).float()
     result = {"cublas_ms": time_graph(lambda: run(cublas))}
     for name, pdl, prefetch in (("triton", False, False), ("triton_pdl", True, False),
-                                ("triton_pdl_prefetch", True, True)):
+                                ("triton_prefetch", False, True), ("triton_pdl_prefetch", True, True)):
         lin = triton_mm(pdl, prefetch)
         err = (run(lin).float() - ref).abs().max().item() / ref.abs().max().item()
         result[f"{name}_ms"], result[f"{name}_rel_err"] = time_graph(lambda: run(lin)), err
-    for wide_n, stages in ((32, 4), (128, 4), (64, 2), (64, 6)):  # the prefetching chain's tiles and stages
+    for wide_n, stages in ((32, 4), (32, 6), (32, 8), (16, 6), (64, 2), (64, 6), (64, 8), (128, 4)):  # wide-N tiles
         lin = triton_mm(True, True, wide_n, stages)
         result[f"triton_pdl_prefetch_n{wide_n}_s{stages}_ms"] = time_graph(lambda: run(lin))
     return {k: round(v, 4) if k.endswith("_ms") else v for k, v in result.items()}

@@ -124,78 +124,110 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
 
 
 @triton.jit
-def _chain_mm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr, K_LINES: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _chain_mm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr, K_SPLIT: tl.constexpr,
+                     K_LINES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    """out (M, N) bf16 = x (M, K) @ w (N, K).T, one program per BLOCK_N columns, no split. PDL: wait for
-    the previous grid (griddepcontrol.wait) only before the first load of x, and let the next grid launch
-    right after; PREFETCH: before that wait, ask L2 for this program's weight rows (one prefetch per
-    128-byte line), which do not depend on the previous kernel (CUTLASS's example 63 does this with TMA)."""
+    """fp32 partials (NS, M, N) of x (M, K) @ w (N, K).T, each over K_SPLIT of K (grid: N tiles x NS splits).
+    PDL: wait for the previous grid (griddepcontrol.wait) only before the first load of x, and let the next
+    grid launch right after. PREFETCH: before that wait, ask L2 for this program's weight slice (one prefetch
+    per 128-byte line); weights do not depend on the previous kernel (CUTLASS's example 63, with TMA)."""
     n = tl.program_id(0)
+    split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok = (rm < M)[:, None]
     n_ok = rn < N
+    k0 = split * K_SPLIT
     if PREFETCH:
         lines = tl.arange(0, K_LINES)                                              # 64 bf16 = 128 bytes each
-        rows, cols = tl.minimum(rn, N - 1), tl.minimum(lines, K // 64 - 1)          # no address past w
-        addr = w_ptr + rows[:, None] * K + cols[None, :] * 64                       # (BLOCK_N, K_LINES)
+        rows, cols = tl.minimum(rn, N - 1), tl.minimum(lines, K_SPLIT // 64 - 1)    # no address past the slice
+        addr = w_ptr + rows[:, None] * K + k0 + cols[None, :] * 64                  # (BLOCK_N, K_LINES)
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [addr], dtype=tl.int32,
                                   is_pure=False, pack=1)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k0, k0 + K_SPLIT, BLOCK_K):
         x = tl.load(x_ptr + rm[:, None] * stride_xm + (k + rk)[None, :], mask=m_ok, other=0.0)
         w = tl.load(w_ptr + rn[None, :] * K + (k + rk)[:, None], mask=n_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc)
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=m_ok & n_ok[None, :])
+    tl.store(out_ptr + split * M * N + rm[:, None] * N + rn[None, :], acc, mask=m_ok & n_ok[None, :])
+
+
+@triton.jit
+def _sum_kernel(parts_ptr, out_ptr, numel, NS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out (numel,) bf16 = the sum of NS partials (NS, numel), rounded once: the pointwise kernel that
+    follows each matmul of the decode step (there a residual add, a norm or SiLU; here the split-K sum)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < numel
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(NS):
+        acc += tl.load(parts_ptr + s * numel + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# (BLOCK_N, splits) per matmul. "unsplit": one program per 16 columns (64 for gate_up and the LM head);
+# "split": session 15's best skinny tiles for qkv, o_proj and down_proj, gate_up's next best with 2 splits.
+CHAIN_TILES = {"unsplit": {"qkv": (16, 1), "o_proj": (16, 1), "gate_up": (64, 1), "down": (16, 1), "lm_head": (64, 1)},
+               "split": {"qkv": (32, 7), "o_proj": (16, 7), "gate_up": (32, 2), "down": (16, 4), "lm_head": (64, 1)}}
+SUM_BLOCK = 1024
 
 
 def pdl_chains(cfg: ModelConfig, rows: int) -> dict:
-    """The matmuls alone (no adds, no SiLU: nothing but matmuls in the graph), each reading the previous one's
-    output, in one CUDA graph: cuBLAS, and one Triton kernel launched plainly, with programmatic dependent
-    launch (the next kernel's programs start while this one finishes, and wait for it in-kernel), with an
-    L2 prefetch of its weights first, and with both (then also at other wide-N tiles and stage counts).
-    ms per chain, and the Triton chains' max error against cuBLAS's output, relative to its largest value."""
-    L, HD = cfg.num_hidden_layers, cfg.num_attention_heads * cfg.head_dim
-    Fw = cfg.intermediate_size
+    """The decode step's matmuls, each followed by one pointwise kernel (as in the step, where a residual add,
+    a norm or SiLU follows each), each matmul reading the previous pointwise output, in one CUDA graph:
+    cuBLAS with a copy kernel after each matmul, against one Triton kernel (`CHAIN_TILES`, unsplit and
+    split) with its split sum after it, both launched plainly, with programmatic dependent launch (the next
+    kernel's programs start while this one finishes, and wait for it in-kernel), with an L2 prefetch of the
+    weights first, and with both (4 stages; the last also at 6). ms per chain, and each Triton chain's max
+    error against cuBLAS's output, relative to its largest value."""
+    L = cfg.num_hidden_layers
     x0, w_qkv, _, w_o, w_gu, w_down, head = chain_weights(cfg, rows)
+    names = ["qkv", "o_proj", "gate_up", "down"] * L + ["lm_head"]
     ws = [w for i in range(L) for w in (w_qkv[i], w_o[i], w_gu[i], w_down[i])] + [head]
-    ins = [HD, None, Fw, None] * L  # the columns of the previous output a matmul reads: q of qkv, gate of gate_up
-    outs = [torch.empty(rows, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in ws]
+    bf16 = [torch.empty(rows, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in ws]  # pointwise outputs
 
-    def run(lin):
+    def pointwise(parts, out, pdl):
+        ns, numel = parts.shape[0], out.numel()
+        _sum_kernel[(triton.cdiv(numel, SUM_BLOCK),)](parts, out, numel, NS=ns, BLOCK=SUM_BLOCK, PDL=pdl,
+                                                      num_warps=4, launch_pdl=pdl)
+        return out
+
+    def cublas_chain():
         x = x0
-        for w, out, cols in zip(ws, outs, [None] + ins):
-            x = lin(x if cols is None else x[:, :cols], w, out)
+        for w, out in zip(ws, bf16):  # x[:, :K]: q of qkv, gate of gate_up
+            x = pointwise(torch.mm(x[:, :w.shape[1]], w.t())[None], out, False)
         return x
 
-    def cublas(x, w, out):
-        return torch.mm(x, w.t(), out=out)
+    def triton_chain(tiles: dict, pdl: bool, prefetch: bool, stages: int):
+        parts = [torch.empty((tiles[n][1], rows, w.shape[0]), device="cuda") for n, w in zip(names, ws)]
 
-    def triton_mm(pdl: bool, prefetch: bool, wide_n: int = 64, stages: int = 4):
-        def lin(x, w, out):
-            N, K = w.shape
-            bn = wide_n if N > 4096 else 16
-            _chain_mm_kernel[(triton.cdiv(N, bn),)](
-                x, w, out, x.shape[0], N, x.stride(0), K=K, K_LINES=triton.next_power_of_2(triton.cdiv(K, 64)),
-                BLOCK_M=max(16, triton.next_power_of_2(x.shape[0])), BLOCK_N=bn, BLOCK_K=64, PDL=pdl,
-                PREFETCH=prefetch, num_warps=4, num_stages=stages, launch_pdl=pdl)
-            return out
-        return lin
-    ref = run(cublas).float()
-    result = {"cublas_ms": time_graph(lambda: run(cublas))}
-    for name, pdl, prefetch in (("triton", False, False), ("triton_pdl", True, False),
-                                ("triton_prefetch", False, True), ("triton_pdl_prefetch", True, True)):
-        lin = triton_mm(pdl, prefetch)
-        err = (run(lin).float() - ref).abs().max().item() / ref.abs().max().item()
-        result[f"{name}_ms"], result[f"{name}_rel_err"] = time_graph(lambda: run(lin)), err
-    for wide_n, stages in ((32, 4), (32, 6), (32, 8), (16, 6), (64, 2), (64, 6), (64, 8), (128, 4)):  # wide-N tiles
-        lin = triton_mm(True, True, wide_n, stages)
-        result[f"triton_pdl_prefetch_n{wide_n}_s{stages}_ms"] = time_graph(lambda: run(lin))
+        def chain():
+            x = x0
+            for name, w, part, out in zip(names, ws, parts, bf16):
+                (N, K), (bn, ns) = w.shape, tiles[name]
+                _chain_mm_kernel[(triton.cdiv(N, bn), ns)](
+                    x, w, part, rows, N, x.stride(0), K=K, K_SPLIT=K // ns, BLOCK_N=bn, BLOCK_K=64,
+                    K_LINES=triton.next_power_of_2(triton.cdiv(K // ns, 64)), PDL=pdl, PREFETCH=prefetch,
+                    BLOCK_M=max(16, triton.next_power_of_2(rows)), num_warps=4, num_stages=stages, launch_pdl=pdl)
+                x = pointwise(part, out, pdl)
+            return x
+        return chain
+    ref = cublas_chain().float()
+    result = {"cublas_ms": time_graph(cublas_chain)}
+    for tiling in CHAIN_TILES:
+        for name, pdl, prefetch, stages in (("", False, False, 4), ("_pdl", True, False, 4),
+                                            ("_prefetch", False, True, 4), ("_pdl_prefetch", True, True, 4),
+                                            ("_pdl_prefetch", True, True, 6)):
+            chain = triton_chain(CHAIN_TILES[tiling], pdl, prefetch, stages)
+            key = f"triton_{tiling}{name}_s{stages}"
+            result[f"{key}_ms"] = time_graph(chain)
+            result[f"{key}_rel_err"] = (chain().float() - ref).abs().max().item() / ref.abs().max().item()
     return {k: round(v, 4) if k.endswith("_ms") else v for k, v in result.items()}
 
 

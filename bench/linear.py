@@ -221,11 +221,11 @@ def pdl_chains(cfg: ModelConfig, rows: int) -> dict:
     ref = cublas_chain().float()
     result = {"cublas_ms": time_graph(cublas_chain)}
     for tiling in CHAIN_TILES:
-        for name, pdl, prefetch, stages in (("", False, False, 4), ("_pdl", True, False, 4),
-                                            ("_prefetch", False, True, 4), ("_pdl_prefetch", True, True, 4),
-                                            ("_pdl_prefetch", True, True, 6)):
+        for suffix, pdl, prefetch, stages in (("", False, False, 4), ("_pdl", True, False, 4),
+                                              ("_prefetch", False, True, 4), ("_pdl_prefetch", True, True, 4),
+                                              ("_pdl_prefetch", True, True, 6)):
             chain = triton_chain(CHAIN_TILES[tiling], pdl, prefetch, stages)
-            key = f"triton_{tiling}{name}_s{stages}"
+            key = f"triton_{tiling}{suffix}_s{stages}"
             result[f"{key}_ms"] = time_graph(chain)
             result[f"{key}_rel_err"] = (chain().float() - ref).abs().max().item() / ref.abs().max().item()
     return {k: round(v, 4) if k.endswith("_ms") else v for k, v in result.items()}

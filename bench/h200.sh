@@ -35,7 +35,8 @@ case "${1:-}" in
   decode256)   # 32 prompts x 8 samples x 256 tokens
     python3 bench/decode.py --workloads 32x8 "${@:2}" ;;
   linear)      # the decode matmuls alone: cuBLAS vs a skinny split-K Triton kernel, per shape and as a chain
-               # (`linear --sweep`, ~5 min; NOTES session 15)
+               # (`linear --sweep`, ~5 min; NOTES session 15); `linear --rows 64 --pdl`: chains with
+               # programmatic dependent launch and an L2 weight prefetch (~1 min; NOTES session 17)
     python3 bench/linear.py "${@:2}" ;;
   report)      # graphs, graph breaks and kernel launches per decode step, per backend
     python3 bench/decode.py --report "${@:2}" ;;

@@ -57,13 +57,28 @@ MAX_SPLITS = 8       # Inductor unrolls a reduction of up to 8 into the kernel t
 def _skinny_mm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_wn, k_per_split, up_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, K_LINES: tl.constexpr,
 ):
+    """fp32 partials (NS, M, N) of x @ w.T, each over k_per_split of K (grid: M tiles x N tiles x NS splits).
+    PDL (launched with launch_pdl): wait for the previous grid (griddepcontrol.wait) only before the first
+    load of x, and let the next grid launch right after. PREFETCH: before that wait, ask L2 for this program's
+    weight slice, one prefetch per 128-byte line (K_LINES >= lines per row); weights do not depend on the
+    previous kernel (CUTLASS's example 63 does this with TMA)."""
     m = tl.program_id(0)
     n = tl.program_id(1)
     split = tl.program_id(2)
     rm = m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = split * k_per_split + tl.arange(0, BLOCK_K)
+    if PREFETCH:
+        lines = tl.minimum(tl.arange(0, K_LINES), k_per_split // 64 - 1)           # 64 elements: 128 bytes
+        rows = tl.minimum(rn, N - 1)                                                # no address past w
+        addr = w_ptr + rows[:, None] * stride_wn + split * k_per_split + lines[None, :] * 64
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [addr], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # K splits evenly into whole blocks (the launcher checks), so only M and N need masks: loads stay
     # 16-byte vectors along K.
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]                     # (BLOCK_M, BLOCK_K)
@@ -98,10 +113,12 @@ def choose_tiles(N: int, K: int, sms: int) -> tuple[int, int]:
 
 
 def launch_skinny(x: torch.Tensor, w: torch.Tensor, block_n: int = 0, num_splits: int = 0, block_m: int = BLOCK_M,
-                  num_warps: int = 4, num_stages: int = 4, gated: bool = False) -> torch.Tensor:
+                  num_warps: int = 4, num_stages: int = 4, gated: bool = False, pdl: bool = False,
+                  prefetch: bool = False) -> torch.Tensor:
     """x (M, K) @ w (N, K).T as fp32 partials (NS, M, N), K a multiple of BLOCK_K. Zeros pick the tiles
     (`choose_tiles`). The grid's fastest axis is M, so programs sharing a weight tile run together.
-    gated: x is the MLP's gate_up output (M, 2K) and the product is of silu(gate) * up (the down_proj)."""
+    gated: x is the MLP's gate_up output (M, 2K) and the product is of silu(gate) * up (the down_proj).
+    pdl, prefetch: the kernel's PDL and PREFETCH (eager launches only: `pdl_chains`)."""
     M, K = x.shape[0], w.shape[1]
     N = w.shape[0]
     bn, ns = choose_tiles(N, K, sm_count(x.device))
@@ -112,6 +129,8 @@ def launch_skinny(x: torch.Tensor, w: torch.Tensor, block_n: int = 0, num_splits
     wrap_triton(_skinny_mm_kernel)[(triton.cdiv(M, block_m), triton.cdiv(N, bn), ns)](
         x, w, out, M, N, x.stride(0), w.stride(0), K // ns, K,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=BLOCK_K, GATED=gated, num_warps=num_warps, num_stages=num_stages,
+        PDL=pdl, PREFETCH=prefetch, K_LINES=triton.next_power_of_2(triton.cdiv(K // ns, 64)),
+        **({"launch_pdl": True} if pdl else {}),  # a launch option the compiled chains never pass
     )
     return out
 
@@ -121,39 +140,6 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     dtype (as cuBLAS's bias epilogue). Compiled, the sum fuses into the kernel that reads it."""
     y = launch_skinny(x, w).sum(0)                                                    # (M, N) fp32
     return (y if b is None else y + b).to(x.dtype)
-
-
-@triton.jit
-def _chain_mm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr, K_SPLIT: tl.constexpr,
-                     K_LINES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    """fp32 partials (NS, M, N) of x (M, K) @ w (N, K).T, each over K_SPLIT of K (grid: N tiles x NS splits).
-    PDL: wait for the previous grid (griddepcontrol.wait) only before the first load of x, and let the next
-    grid launch right after. PREFETCH: before that wait, ask L2 for this program's weight slice (one prefetch
-    per 128-byte line); weights do not depend on the previous kernel (CUTLASS's example 63, with TMA)."""
-    n = tl.program_id(0)
-    split = tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
-    rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = (rm < M)[:, None]
-    n_ok = rn < N
-    k0 = split * K_SPLIT
-    if PREFETCH:
-        lines = tl.arange(0, K_LINES)                                              # 64 bf16 = 128 bytes each
-        rows, cols = tl.minimum(rn, N - 1), tl.minimum(lines, K_SPLIT // 64 - 1)    # no address past the slice
-        addr = w_ptr + rows[:, None] * K + k0 + cols[None, :] * 64                  # (BLOCK_N, K_LINES)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [addr], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k0, k0 + K_SPLIT, BLOCK_K):
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k + rk)[None, :], mask=m_ok, other=0.0)
-        w = tl.load(w_ptr + rn[None, :] * K + (k + rk)[:, None], mask=n_ok[None, :], other=0.0)
-        acc = tl.dot(x, w, acc)
-    tl.store(out_ptr + split * M * N + rm[:, None] * N + rn[None, :], acc, mask=m_ok & n_ok[None, :])
 
 
 @triton.jit
@@ -181,7 +167,7 @@ SUM_BLOCK = 1024
 def pdl_chains(cfg: ModelConfig, rows: int) -> dict:
     """The decode step's matmuls, each followed by one pointwise kernel (as in the step, where a residual add,
     a norm or SiLU follows each), each matmul reading the previous pointwise output, in one CUDA graph:
-    cuBLAS with a copy kernel after each matmul, against one Triton kernel (`CHAIN_TILES`, unsplit and
+    cuBLAS with a copy kernel after each matmul, against the skinny kernel (`CHAIN_TILES`, unsplit and
     split) with its split sum after it, both launched plainly, with programmatic dependent launch (the next
     kernel's programs start while this one finishes, and wait for it in-kernel), with an L2 prefetch of the
     weights first, and with both (4 stages; the last also at 6). ms per chain, and each Triton chain's max
@@ -205,17 +191,11 @@ def pdl_chains(cfg: ModelConfig, rows: int) -> dict:
         return x
 
     def triton_chain(tiles: dict, pdl: bool, prefetch: bool, stages: int):
-        parts = [torch.empty((tiles[n][1], rows, w.shape[0]), device="cuda") for n, w in zip(names, ws)]
-
         def chain():
             x = x0
-            for name, w, part, out in zip(names, ws, parts, bf16):
-                (N, K), (bn, ns) = w.shape, tiles[name]
-                _chain_mm_kernel[(triton.cdiv(N, bn), ns)](
-                    x, w, part, rows, N, x.stride(0), K=K, K_SPLIT=K // ns, BLOCK_N=bn, BLOCK_K=64,
-                    K_LINES=triton.next_power_of_2(triton.cdiv(K // ns, 64)), PDL=pdl, PREFETCH=prefetch,
-                    BLOCK_M=max(16, triton.next_power_of_2(rows)), num_warps=4, num_stages=stages, launch_pdl=pdl)
-                x = pointwise(part, out, pdl)
+            for name, w, out in zip(names, ws, bf16):
+                parts = launch_skinny(x[:, :w.shape[1]], w, *tiles[name], num_stages=stages, pdl=pdl, prefetch=prefetch)
+                x = pointwise(parts, out, pdl)
             return x
         return chain
     ref = cublas_chain().float()

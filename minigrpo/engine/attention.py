@@ -100,6 +100,7 @@ def rope_store(q, k, v, k_pool, v_pool, slots, cos, sin) -> torch.Tensor:
     _store_rows(v_pool, slots, v)
     return apply_rope(q, c, s)                                                  # (B, Hq, D)
 
+
 def _store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """pool.view(P*S, Hkv, D)[slots[b]] = rows[b] wherever slots[b] >= 0, with static shapes: a skipped row
     re-writes the first real row's slot with that row's data (duplicate indices carry identical values, so

@@ -15,9 +15,10 @@ rows only: with kl_beta = 0 zero-advantage groups get no forward):
   steps), logp_diff_mean/max (|rollout engine - trainer| log-prob of the sampled tokens), mismatch_kl (k3
   KL(rollout || trainer) on them), tis_weight_mean (as applied), tis_ratio_max (before the cap),
   tis_capped_frac, old_logp_gap_mean/max (with several minibatches: the first minibatch's training forward
-  against its separately scored old log-probs, before any optimizer step; 0 up to rounding), lr, time_{rollout,reward,logprobs,update,sync,step} (seconds), rollout_tokens_per_s and
-  tokens_per_s (completion tokens / rollout time, / step time), compile_s (seconds of the step compiling),
-  peak_mem_gib (CUDA; 0 on CPU), skipped_update (no group had a reward spread), eval_* (evaluate.py's keys).
+  against its separately scored old log-probs, before any optimizer step; 0 up to rounding), lr,
+  time_{rollout,reward,logprobs,update,sync,step} (seconds), rollout_tokens_per_s and tokens_per_s
+  (completion tokens / rollout time, / step time), compile_s (seconds of the step compiling), peak_mem_gib
+  (CUDA; 0 on CPU), skipped_update (no group had a reward spread), eval_* (evaluate.py's keys).
 """
 
 from __future__ import annotations

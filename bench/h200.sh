@@ -189,18 +189,22 @@ case "${1:-}" in
       --variant after32=.:--micro-batch-size=32 \
       --variant after32c1024=.:--micro-batch-size=32,--logprob-chunk-size=1024 "${@:2}" ;;
   mb)          # issue 20's micro-batch shapes, LEAN, TRL on the same workload in the same call. `mb 05b` (~8 min):
-               # 16, 32 and 64 rows per micro-batch, the 64 one profiled. `mb 7b` (~5 min): 16 and 32 rows; TRL at
-               # 7B (~5 min, its random model is drawn on the CPU) goes in a call of its own: `mb 7b trl`
-    M=${2:-05b}; V=(--variant mb16=. --variant mb32=.:--micro-batch-size=32)
+               # 16, 32 and 64 rows per micro-batch, the 64 one profiled. `mb 15b` (~6 min): 32 rows. `mb 7b` (~5 min):
+               # 16 and 32 rows; TRL at 7B (~5 min, its random model is drawn on the CPU) goes in a call of its own:
+               # `mb 7b trl`
+    M=${2:-05b}; V=(--variant mb32=.:--micro-batch-size=32)
+    [ "$M" = 15b ] || V=(--variant mb16=. "${V[@]}")
     [ "$M" = 05b ] && V+=(--variant mb64=.:--micro-batch-size=64 --profile mb64)
     if [ "${3:-}" != trl ]; then
       rand ${M/5b/.5b}
       OUT=$OUT/mb$M python3 bench/speed.py --model-dir /tmp/rand$M --data "$DATA" --steps ${STEPS:-6} "${V[@]}" \
         | sed -n '/^summary/,$p'
     fi
-    [ "$M" = 05b ] || [ "${3:-}" = trl ] || exit 0
-    # TRL's steps alternate rollout + update and update: 8 steps give 3 warm pairs at 0.5B (a median), 4 give one
-    [ "$M" = 05b ] && C=$DATA/qwen2.5-0.5b-instruct S=8 || C=$DATA/configs/qwen2.5-7b-instruct S=4
+    [ "$M" = 7b ] && [ "${3:-}" != trl ] && exit 0
+    # TRL's steps alternate rollout + update and update: 8 steps give 3 warm pairs (a median), 4 give one
+    C=$DATA/configs/qwen2.5-${M/5b/.5b}-instruct S=8
+    [ "$M" = 05b ] && C=$DATA/qwen2.5-0.5b-instruct
+    [ "$M" = 7b ] && S=4
     CONFIG=$(realpath "$C") STEPS=$S bash bench/h200.sh trl ;;
   compile100)  # issue 20's compile bound: a 100-step run at 0.5B (LEAN, 32-row micro-batches; ~3 min): seconds
                # compiling in all, and in which steps. Random weights write all 256 tokens, so the engine's

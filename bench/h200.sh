@@ -188,19 +188,14 @@ case "${1:-}" in
       --profile static32 --variant static32=.rev/static:--micro-batch-size=32 \
       --variant after32=.:--micro-batch-size=32 \
       --variant after32c1024=.:--micro-batch-size=32,--logprob-chunk-size=1024 "${@:2}" ;;
-  mb)          # issue 20's micro-batch shapes, LEAN, TRL on the same workload in the same call. `mb 05b` (~8 min):
-               # 16, 32 and 64 rows per micro-batch, the 64 one profiled. `mb 15b` (~6 min): 32 rows. `mb 7b` (~5 min):
-               # 16 and 32 rows; TRL at 7B (~5 min, its random model is drawn on the CPU) goes in a call of its own:
-               # `mb 7b trl`
+  mb)          # issue 20's micro-batch shapes, LEAN, and TRL on the same workload in the same call. `mb 05b` (~8 min):
+               # 16, 32 and 64 rows per micro-batch, the 64 one profiled. `mb 15b` (~4 min), `STEPS=5 mb 7b` (~9 min,
+               # TRL's random 7B is drawn on the CPU): 32 rows, the README's LEAN recipe
     M=${2:-05b}; V=(--variant mb32=.:--micro-batch-size=32)
-    [ "$M" = 15b ] || V=(--variant mb16=. "${V[@]}")
-    [ "$M" = 05b ] && V+=(--variant mb64=.:--micro-batch-size=64 --profile mb64)
-    if [ "${3:-}" != trl ]; then
-      rand ${M/5b/.5b}
-      OUT=$OUT/mb$M python3 bench/speed.py --model-dir /tmp/rand$M --data "$DATA" --steps ${STEPS:-6} "${V[@]}" \
-        | sed -n '/^summary/,$p'
-    fi
-    [ "$M" = 7b ] && [ "${3:-}" != trl ] && exit 0
+    [ "$M" = 05b ] && V=(--variant mb16=. "${V[@]}" --variant mb64=.:--micro-batch-size=64 --profile mb64)
+    rand ${M/5b/.5b}
+    OUT=$OUT/mb$M python3 bench/speed.py --model-dir /tmp/rand$M --data "$DATA" --steps ${STEPS:-6} "${V[@]}" \
+      | sed -n '/^summary/,$p'
     # TRL's steps alternate rollout + update and update: 8 steps give 3 warm pairs (a median), 4 give one
     C=$DATA/configs/qwen2.5-${M/5b/.5b}-instruct S=8
     [ "$M" = 05b ] && C=$DATA/qwen2.5-0.5b-instruct

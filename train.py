@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                    default=D.activation_checkpointing,
                    help="recompute each decoder layer in backward: far less activation memory, one more forward")
+    g.add_argument("--offload-reference", action=argparse.BooleanOptionalAction, default=D.offload_reference,
+                   help="keep the KL reference (--beta > 0) in pinned host memory, copied in during each rollout and "
+                        "freed before the update: the update's peak lacks a copy of the model (PCIe time, hidden)")
     g = p.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval-every", type=int, default=D.eval_every,
                    help="test accuracy before training and every N steps (0 = never); every example's "
@@ -259,7 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             eval_temperature=args.eval_temperature, save_every=args.save_every,
             keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,
             seed=args.seed, logprob_chunk_size=args.logprob_chunk_size,
-            activation_checkpointing=args.activation_checkpointing, weights=args.weights, parallel=args.parallel,
+            activation_checkpointing=args.activation_checkpointing, offload_reference=args.offload_reference,
+            weights=args.weights, parallel=args.parallel,
             task=(args.preset if args.preset != "gsm8k"
                   else " ".join(filter(None, (args.task, args.template, args.reward)))),
             # the reference generator runs the policy itself at every length: compiled, a recompile per token
@@ -290,7 +294,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def flag_names(message: str, parser: argparse.ArgumentParser) -> str:
     """`message` with TrainConfig's field names replaced by the flags that set them (kl_beta -> --beta)."""
-    flags = {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings}
+    flags = {a.dest: a.option_strings[-2 if isinstance(a, argparse.BooleanOptionalAction) else -1]  # not --no-X
+             for a in parser._actions if a.option_strings}
     flags["kl_beta"] = "--beta"
     names = sorted((f.name for f in fields(TrainConfig) if f.name in flags), key=len, reverse=True)
     return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: flags[m.group()], message)

@@ -89,6 +89,11 @@ def test_every_term_by_hand():
     # 2 new tokens, 1 rank: the optimizer's piece (w, g, m, v of all 26912 parameters) outgrows the backward
     e = estimate(m, replace(lean, max_new_tokens=2), prompt_tokens=4)
     assert e.update["optimizer_step"] == 4 * 2 * 26912 - e.update["activations"] - e.update["lm_head"] > 0
+    # an offloaded reference is on the device for the scoring pass only, not through the update
+    base = estimate(m, cfg, prompt_tokens=30)
+    off = estimate(m, replace(cfg, offload_reference=True), prompt_tokens=30)
+    assert off.resident == {**base.resident, "reference": 0} and off.update == base.update
+    assert off.scoring == base.scoring + 26912 * 4
 
 
 def test_fsdp_shards_the_per_parameter_terms():

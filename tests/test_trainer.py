@@ -429,6 +429,27 @@ def test_activation_checkpointing_trains_identically(tmp_path, monkeypatch):
         assert torch.equal(runs[1][1][name], w), name
 
 
+def test_offloaded_reference_trains_identically_and_is_away_during_the_update(tmp_path):
+    cfg = dict(steps=2, inner_epochs=2, minibatch_size=64, micro_batch_size=32, kl_beta=0.05, lr=3e-3)
+    runs = []
+    for offload in (False, True):
+        trainer = _synthetic_trainer(tmp_path / str(offload), offload_reference=offload, **cfg)
+        if offload:
+            seen, update, score = [], trainer._update, trainer._score
+            trainer._update = lambda *a: seen.append(("update", trainer.ref_offload.on_device)) or update(*a)
+            trainer._score = lambda f, *a, **k: (seen.append(("ref" if f is trainer.ref_forward else "old",
+                                                              trainer.ref_offload.on_device)) or score(f, *a, **k))
+            assert not trainer.ref_offload.on_device  # from the start: only the host copy
+        runs.append(([_comparable(trainer.step()) for _ in range(2)], trainer.model.state_dict()))
+    assert runs[0][0] == runs[1][0] and runs[1][0][1]["kl"] > 0  # the reference really was scored, step 2
+    for name, w in runs[0][1].items():
+        assert torch.equal(runs[1][1][name], w), name
+    assert seen == [("ref", True), ("old", False), ("update", False)] * 2  # two minibatches: old ones scored
+    assert not trainer.ref_offload.on_device
+    with pytest.raises(ValueError, match="offload_reference needs a KL reference"):
+        TrainConfig(kl_beta=0.0, offload_reference=True)
+
+
 def test_kl_is_measured_against_the_initial_policy(tmp_path):
     trainer = _synthetic_trainer(tmp_path, steps=2, kl_beta=0.1, lr=1e-2)
     first, second = trainer.step(), trainer.step()

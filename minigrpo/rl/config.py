@@ -53,6 +53,7 @@ class TrainConfig:
     seed: int = 0
     logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: ~2 x chunk x vocab x 2 B); 0 = full logits
     activation_checkpointing: bool = False  # recompute layers in backward: far fewer activations, +1 forward
+    offload_reference: bool = False   # the KL reference in host memory outside its scoring pass (offload.py)
     weights: str = "fp32"             # fp32 master weights (+ bf16 autocast on CUDA), or bf16 (optim.py)
     compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference
     parallel: str = "ddp"             # the update under torchrun: DDP or FSDP2 (distributed.py); none alone
@@ -112,6 +113,9 @@ class TrainConfig:
                              f"{self.lr * self.weight_decay:.1e} per step, below the {MIN_BF16_DECAY:.0e} that their "
                              f"fp32 update and 16-bit stochastic rounding carry (it would be lost, wholly or in part): "
                              f"use weights fp32, or weight_decay 0 or >= {MIN_BF16_DECAY / self.lr:g}")
+        if self.offload_reference and (self.kl_beta == 0 or self.parallel == "fsdp"):
+            raise ValueError("offload_reference needs a KL reference (kl_beta > 0) and parallel 'ddp' (FSDP shards "
+                             "the reference across ranks instead)")
         if self.eval_temperature < 0 or (self.eval_samples > 1 and self.eval_temperature == 0):
             raise ValueError(f"eval_samples={self.eval_samples} needs eval_temperature > 0 (greedy samples are copies "
                              f"of one completion), and eval_temperature must be >= 0; got {self.eval_temperature}")
@@ -119,9 +123,10 @@ class TrainConfig:
 
 # A checkpoint stores its config; resuming refuses a different one, except for these settings: they do not
 # alter the training trajectory (parallel, like the world size, only the rounding: checkpoints hold the full
-# state either way).
+# state either way; offload_reference only where the reference's weights wait).
 RESUMABLE_CHANGES = {"steps", "eval_every", "eval_limit", "eval_batch_size", "eval_max_new_tokens", "eval_samples",
-                     "eval_temperature", "save_every", "keep_checkpoints", "sample_every", "num_samples", "parallel"}
+                     "eval_temperature", "save_every", "keep_checkpoints", "sample_every", "num_samples", "parallel",
+                     "offload_reference"}
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

@@ -9,7 +9,8 @@ torch.cuda.max_memory_allocated reports) for the longest prompt; train.py adds a
 resident (held from the first step on):
   weights           P x 4 bytes (fp32 master) or 2 (--weights bf16)
   optimizer         AdamW's two moments, each like the weights (optim.py)
-  reference         the KL anchor (beta > 0): a copy of the policy
+  reference         the KL anchor (beta > 0): a copy of the policy; offloaded, on the device only from the
+                    rollout to its scoring pass: counted with scoring instead
   weight_casts      fp32 weights on CUDA: autocast's bf16 copy of every matmul weight, kept for the backward
   engine_copy       the engine's own bf16 weights and RoPE tables (none when it shares the policy's)
   kv_pool           the engine's KV pages: this rank's full rollout, or kv_memory_fraction of free memory if less
@@ -23,6 +24,7 @@ update (one micro-batch's forward and backward, the optimizer step's gradients):
   optimizer_step    bf16 weights: StochasticAdamW's piece of concatenated small parameters (w, g, m, v; optim.py),
                     where it outgrows the backward's activations and lm_head, freed by then
 scoring (the no-grad log-prob passes): one layer's working set for a scoring batch, plus its LM-head chunk
+  (and an offloaded reference)
 
 Under FSDP (W > 1) weights, optimizer and reference divide by W, the gradients are this rank's shard (plus,
 with bf16 weights and several micro-batches, their whole fp32 sum), fsdp_gathered holds the root unit and
@@ -127,7 +129,8 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
     micro_batches = -(-rows // cfg.micro_batch_size)
     # bf16 gradients are summed in fp32 from three micro-batches on, and whole under FSDP from two (GradSync)
     fp32_sums = w == 2 and micro_batches >= (2 if fsdp else 3)
-    resident = {"weights": P * w, "optimizer": 2 * P * w, "reference": P * w if cfg.kl_beta > 0 else 0}
+    reference = P * w if cfg.kl_beta > 0 else 0
+    resident = {"weights": P * w, "optimizer": 2 * P * w, "reference": 0 if cfg.offload_reference else reference}
     gradients = P * (4 if fp32_sums else w)
     if fsdp:
         root = V * C * (1 if m.tie_word_embeddings else 2) + C
@@ -150,7 +153,7 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
     update["optimizer_step"] = max(0, piece - update["activations"] - update["lm_head"])
     KD = m.num_key_value_heads * m.head_dim
     scoring = (ms * T * (2 * r * C + a * (2 * C + 2 * KD + 3 * m.intermediate_size))     # one layer, no grad
-               + _logits(cfg, ms * cfg.max_new_tokens, V))
+               + _logits(cfg, ms * cfg.max_new_tokens, V) + (reference if cfg.offload_reference else 0))
     return MemoryEstimate(resident, update, scoring)
 
 

@@ -4,7 +4,8 @@
   3. filter    with beta = 0 a group whose advantages are all zero has no gradient: its rows get no forward
                (the update is skipped when none is left); with beta > 0 the KL term trains every row
   4. logprobs  the frozen initial policy's (beta > 0) and the old policy's, no grad, in score_batch_size
-               micro-batches; with one minibatch per epoch the old ones come free from the first epoch's forward
+               micro-batches; with one minibatch per epoch the old ones come free from the first epoch's forward.
+               An offloaded reference is copied in from host memory during the rollout and freed here (offload.py)
   5. update    K epochs over shuffled minibatches of the B*G rows, one AdamW step each, on the clipped surrogate
                (+ beta * k3 KL) normalised by (minibatch rows x max_new_tokens): dropped rows still count, so
                the gradient is the full minibatch's. Each token is weighted by min(pi_old / pi_rollout, tis_cap)
@@ -35,6 +36,7 @@ from minigrpo.rl.config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr
 from minigrpo.rl.data import EpochSampler, derive_seeds
 from minigrpo.rl.distributed import Dist, GradSync, frozen_forward
 from minigrpo.rl.grpo import dr_grpo_loss, group_advantages, nonzero_groups, truncated_is_weights
+from minigrpo.rl.offload import HostOffload
 from minigrpo.rl.optim import StochasticAdamW
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.rl.step_metrics import UpdateSums, mismatch_metrics, rollout_metrics, speed_and_memory
@@ -104,6 +106,8 @@ class Trainer:
         self.policy = GradSync(model, self._logprobs, dist, cfg.parallel)  # the training forward (DDP / FSDP)
         self.ref_forward = (frozen_forward(self.ref, self._logprobs, dist, cfg.parallel)  # scores the KL anchor
                             if self.ref is not None else None)
+        # on the device only from the rollout to its scoring pass, so never during the update (offload.py)
+        self.ref_offload = HostOffload(self.ref) if cfg.offload_reference else None
         adamw = (StochasticAdamW if cfg.weights == "bf16"
                  else functools.partial(torch.optim.AdamW, fused=self.device.type == "cuda"))
         # after GradSync: FSDP replaces the parameters by their shards
@@ -120,6 +124,8 @@ class Trainer:
         self.step_idx += 1
         lr = self._begin_step()
         timer = PhaseTimer(self.device, ("rollout", "reward", "logprobs", "update", "sync"))
+        if self.ref_offload is not None:
+            self.ref_offload.fetch()  # copied in on a side stream while the rollout runs
 
         examples, prompts, rollout, stopped = self._rollout()                                   # 1. rollout
         timer.lap("rollout")
@@ -194,7 +200,10 @@ class Trainer:
     def _reference_and_old_logprobs(self, rows: _Rows):
         """Stage 4: the KL reference's log-probs (beta > 0), and the old policy's with its entropy, (n, C) each;
         None, None for the old ones that the first epoch's forward will give (one minibatch per epoch)."""
-        ref_logp = self._score(self.ref_forward, rows.batch, rows.most)[0] if self.ref is not None else None
+        ref_logp = None
+        if self.ref is not None:
+            with self.ref_offload or contextlib.nullcontext():  # fetched, then freed before the update
+                ref_logp = self._score(self.ref_forward, rows.batch, rows.most)[0]
         if self.cfg.rows_per_minibatch == self.cfg.rows_per_step:
             return ref_logp, None, None
         return (ref_logp, *self._score(self.policy, rows.batch, rows.most, return_entropy=True))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures quoted in the issues' closing notes, one part per device call:
-#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|linear|report|decodevs|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|compile100|speed|speedbig|templates
+#   bash bench/h200.sh checks|fitted|attention|decode64|decode256|linear|report|decodevs|logprobs|train|trainstep|trainmem|trainvs|tis|long|ddp|ddp2|sizes|engmem|trl|mb|offload|compile100|speed|speedbig|templates
 # (and `revs`, run here before a device call, not there)
 # Needs the data folder (config.json, tokenizer, GSM8K jsonl) at $MINIGRPO_DATA (default ../shared/data).
 # Results land in $OUT (default ./out).
@@ -201,6 +201,12 @@ case "${1:-}" in
     [ "$M" = 05b ] && C=$DATA/qwen2.5-0.5b-instruct
     [ "$M" = 7b ] && S=4
     CONFIG=$(realpath "$C") STEPS=$S bash bench/h200.sh trl ;;
+  offload)     # the KL reference offloaded (--offload-reference) against resident, LEAN, 32-row micro-batches, at one
+               # size (`offload 7b`, ~6 min; `offload 15b`, ~3 min): s/step by phase and peak memory
+    M=${2:-7b}; rand ${M/5b/.5b}
+    OUT=$OUT/offload$M python3 bench/speed.py --model-dir /tmp/rand$M --data "$DATA" --steps ${STEPS:-5} \
+      --variant mb32=.:--micro-batch-size=32 --variant mb32off=.:--micro-batch-size=32,--offload-reference \
+      | sed -n '/^summary/,$p' ;;
   compile100)  # issue 20's compile bound: a 100-step run at 0.5B (LEAN, 32-row micro-batches; ~3 min): seconds
                # compiling in all, and in which steps. Random weights write all 256 tokens, so the engine's
                # smaller batch buckets, which trained weights reach as sequences stop, are not exercised:

@@ -237,7 +237,7 @@ def test_each_rank_sizes_its_engine_to_its_share():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", ["default", "lean"])
+@pytest.mark.parametrize("flags", ["default", "lean", "lean-offload"])
 def test_estimate_bounds_the_measured_peak_on_the_gpu(tmp_path, flags):
     """Random Qwen2.5-0.5B, 4 prompts x 4 samples x 64 tokens, K = 2, beta 0.04, eager engine and policy (no
     compile warm-up): the measured peak (torch.cuda.max_memory_allocated over two steps) is under the

@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                    default=D.activation_checkpointing,
                    help="recompute each decoder layer in backward: far less activation memory, one more forward")
+    g.add_argument("--recompute-layers", type=int, default=D.recompute_layers, metavar="N",
+                   help="with --activation-checkpointing, only the first N decoder layers recompute; the others keep "
+                        "their activations: faster, more memory (default: all layers)")
     g.add_argument("--offload-reference", action=argparse.BooleanOptionalAction, default=D.offload_reference,
                    help="keep the KL reference (--beta > 0) in pinned host memory, copied in during each rollout and "
                         "freed before the update: the update's peak lacks a copy of the model (PCIe time, hidden)")
@@ -262,7 +265,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             eval_temperature=args.eval_temperature, save_every=args.save_every,
             keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,
             seed=args.seed, logprob_chunk_size=args.logprob_chunk_size,
-            activation_checkpointing=args.activation_checkpointing, offload_reference=args.offload_reference,
+            activation_checkpointing=args.activation_checkpointing, recompute_layers=args.recompute_layers,
+            offload_reference=args.offload_reference,
             weights=args.weights, parallel=args.parallel,
             task=(args.preset if args.preset != "gsm8k"
                   else " ".join(filter(None, (args.task, args.template, args.reward)))),

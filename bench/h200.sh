@@ -202,10 +202,12 @@ case "${1:-}" in
     [ "$M" = 7b ] && S=4
     CONFIG=$(realpath "$C") STEPS=$S bash bench/h200.sh trl ;;
   offload)     # the KL reference offloaded (--offload-reference) against resident, LEAN, 32-row micro-batches, at one
-               # size (`offload 7b`, ~6 min; `offload 15b`, ~3 min): s/step by phase and peak memory
+               # size, and with a layer count R given, offloaded with only R layers recomputed: `offload 7b 23`
+               # (~7 min), `offload 15b` (~3 min): s/step by phase and peak memory
     M=${2:-7b}; rand ${M/5b/.5b}
-    OUT=$OUT/offload$M python3 bench/speed.py --model-dir /tmp/rand$M --data "$DATA" --steps ${STEPS:-5} \
-      --variant mb32=.:--micro-batch-size=32 --variant mb32off=.:--micro-batch-size=32,--offload-reference \
+    V=(--variant mb32=.:--micro-batch-size=32 --variant mb32off=.:--micro-batch-size=32,--offload-reference)
+    [ -n "${3:-}" ] && V+=(--variant "mb32off_r$3=.:--micro-batch-size=32,--offload-reference,--recompute-layers=$3")
+    OUT=$OUT/offload$M python3 bench/speed.py --model-dir /tmp/rand$M --data "$DATA" --steps ${STEPS:-5} "${V[@]}" \
       | sed -n '/^summary/,$p' ;;
   compile100)  # issue 20's compile bound: a 100-step run at 0.5B (LEAN, 32-row micro-batches; ~3 min): seconds
                # compiling in all, and in which steps. Random weights write all 256 tokens, so the engine's

@@ -418,15 +418,19 @@ def test_activation_checkpointing_trains_identically(tmp_path, monkeypatch):
     cfg = dict(steps=2, inner_epochs=2, minibatch_size=64, micro_batch_size=32, kl_beta=0.05, lr=3e-3)
     real, calls = torch.utils.checkpoint.checkpoint, []
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
-    runs = []
-    for ckpt in (False, True):
+    runs, forwards = [], 2 * 2 * 4  # 2 steps x 2 epochs x 128 rows in micro-batches of 32
+    for ckpt, layers in ((False, None), (True, None), (True, 1)):  # none, both layers, the first of two
         calls.clear()
-        trainer = _synthetic_trainer(tmp_path / str(ckpt), activation_checkpointing=ckpt, **cfg)
+        trainer = _synthetic_trainer(tmp_path / f"{ckpt}{layers}", activation_checkpointing=ckpt,
+                                     recompute_layers=layers, **cfg)
         runs.append(([_comparable(trainer.step()) for _ in range(2)], trainer.model.state_dict()))
-        assert bool(calls) == ckpt  # the flag reaches the training forward (and only it recomputes)
-    assert runs[0][0] == runs[1][0]
-    for name, w in runs[0][1].items():
-        assert torch.equal(runs[1][1][name], w), name
+        assert len(calls) == forwards * (layers or 2 * ckpt)  # reaches the training forward; only it recomputes
+    for run in runs[1:]:
+        assert run[0] == runs[0][0]
+        for name, w in runs[0][1].items():
+            assert torch.equal(run[1][name], w), name
+    with pytest.raises(ValueError, match="recompute_layers 3 is more than the model's 2 decoder layers"):
+        _synthetic_trainer(tmp_path / "3", activation_checkpointing=True, recompute_layers=3, **cfg)
 
 
 def test_offloaded_reference_trains_identically_and_is_away_during_the_update(tmp_path):
@@ -695,7 +699,7 @@ def test_compiled_layers_serve_every_batch_shape_with_one_graph_per_grad_mode(mo
             model.hidden_states(torch.randint(0, 256, (B, T)))
     assert counters["unique_graphs"] - graphs == 1
     for B, T in shapes:  # with grad and activation checkpointing: one more graph
-        model.hidden_states(torch.randint(0, 256, (B, T)), checkpoint_layers=True).sum().backward()
+        model.hidden_states(torch.randint(0, 256, (B, T)), recompute_layers=2).sum().backward()
     assert counters["unique_graphs"] - graphs == 2
     layer = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
     for n in range(1, RECOMPILE_LIMIT + 1):
@@ -722,6 +726,6 @@ def test_compiled_layer_trains_micro_batches_either_side_of_the_mix_order_bound_
     # B x T: 8192 and 7488 above 5852, 2048 below; widths are multiples of 8, as the trainer's (SequenceBatch):
     # Inductor also guards on T % 8
     for B, T in ((4, 2048), (2, 1024), (3, 2496)):
-        model.hidden_states(torch.randint(0, 256, (B, T), device="cuda"), checkpoint_layers=True).sum().backward()
+        model.hidden_states(torch.randint(0, 256, (B, T), device="cuda"), recompute_layers=2).sum().backward()
     assert counters["unique_graphs"] - graphs == (2 if default else 1)
     torch._dynamo.reset()

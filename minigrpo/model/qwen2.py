@@ -127,11 +127,12 @@ class Qwen2ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      checkpoint_layers: bool = False) -> torch.Tensor:
+                      recompute_layers: int = 0) -> torch.Tensor:
         """Final-norm hidden states, (B, T) -> (B, T, C); the trainer applies the LM head in chunks itself.
         attention_mask (B, T): 1 for real tokens, 0 for left padding; a token's position counts the real tokens
-        before it, so a left-padded row computes exactly what it computes alone. checkpoint_layers: with
-        gradients on, recompute each layer in backward (one tensor kept per layer, not ~20; the same gradients)."""
+        before it, so a left-padded row computes exactly what it computes alone. recompute_layers: with gradients
+        on, the first N decoder layers recompute in backward (one tensor kept per layer, not ~20; the same
+        gradients), the others keep their activations."""
         B, T = input_ids.shape
         mask = None
         if attention_mask is None:
@@ -149,9 +150,9 @@ class Qwen2ForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)         # (B, T, D)
         for t in (x, cos, sin):  # compiled layers (the trainer's): one graph for every B and T; eager: a no-op
             torch._dynamo.maybe_mark_dynamic(t, [0, 1])
-        recompute = checkpoint_layers and torch.is_grad_enabled()
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, recompute)
+        recompute = recompute_layers if torch.is_grad_enabled() else 0
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, i < recompute)
         return self.model.norm(x)                                                         # (B, T, C)
 
     def forward(self, input_ids, attention_mask=None) -> torch.Tensor:

@@ -53,11 +53,21 @@ class TrainConfig:
     seed: int = 0
     logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: ~2 x chunk x vocab x 2 B); 0 = full logits
     activation_checkpointing: bool = False  # recompute layers in backward: far fewer activations, +1 forward
+    recompute_layers: int | None = None     # with it: only the first N layers recompute, the rest keep theirs
     offload_reference: bool = False   # the KL reference in host memory outside its scoring pass (offload.py)
     weights: str = "fp32"             # fp32 master weights (+ bf16 autocast on CUDA), or bf16 (optim.py)
     compile_policy: bool = False      # torch.compile each decoder layer of the policy and the KL reference
     parallel: str = "ddp"             # the update under torchrun: DDP or FSDP2 (distributed.py); none alone
     task: str = "gsm8k chat"          # what the rollout reads (train.py's task, template, reward): kept on resume
+
+    def recomputed_layers(self, layers: int) -> int:
+        """How many of a model's `layers` decoder layers recompute in backward (the first ones)."""
+        if not self.activation_checkpointing:
+            return 0
+        if self.recompute_layers is not None and self.recompute_layers > layers:
+            raise ValueError(f"recompute_layers {self.recompute_layers} is more than the model's {layers} decoder "
+                             f"layers; use at most {layers}")
+        return layers if self.recompute_layers is None else self.recompute_layers
 
     @property
     def rows_per_step(self) -> int:
@@ -113,6 +123,9 @@ class TrainConfig:
                              f"{self.lr * self.weight_decay:.1e} per step, below the {MIN_BF16_DECAY:.0e} that their "
                              f"fp32 update and 16-bit stochastic rounding carry (it would be lost, wholly or in part): "
                              f"use weights fp32, or weight_decay 0 or >= {MIN_BF16_DECAY / self.lr:g}")
+        if self.recompute_layers is not None and (self.recompute_layers < 0 or not self.activation_checkpointing):
+            raise ValueError(f"recompute_layers {self.recompute_layers} needs activation_checkpointing, and must be "
+                             f">= 0 (it counts the decoder layers that recompute)")
         if self.offload_reference and (self.kl_beta == 0 or self.parallel == "fsdp"):
             raise ValueError("offload_reference needs a KL reference (kl_beta > 0) and parallel 'ddp' (FSDP shards "
                              "the reference across ranks instead)")

@@ -18,7 +18,7 @@ resident (held from the first step on):
 update (one micro-batch's forward and backward, the optimizer step's gradients):
   gradients         P x 4 (fp32); bf16: P x 2, or P x 4 while 3+ micro-batches are summed in fp32 (GradSync)
   ddp_buckets       with W > 1, DDP's flat gradient buckets: another P x gradient size
-  activations       saved for the backward (_layer_bytes); checkpointed: each layer's input + one layer recomputed
+  activations       saved for the backward (_layer_bytes); a checkpointed layer only its input, + one recomputed
   lm_head           the log-probs' logits block and temporaries, the hidden states and their gradient, and
                     the head's weight gradient, whole before it is added to the weight's .grad
   optimizer_step    bf16 weights: StochasticAdamW's piece of concatenated small parameters (w, g, m, v; optim.py),
@@ -145,7 +145,8 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
                                 shared=e == w and not fsdp))
 
     layer = _layer_bytes(m, a, r) * (1 if compiled else EAGER_FACTOR) * mb * T          # one layer's batch
-    kept = L * mb * T * r * C + 2 * layer if cfg.activation_checkpointing else (L + 1) * layer
+    Lr = cfg.recomputed_layers(L)  # their inputs kept, and one of them recomputed at a time; the others whole
+    kept = Lr * mb * T * r * C + (L - Lr + 1) * layer + (layer if Lr else 0)
     scored = mb * cfg.max_new_tokens                                                      # log-probs taken
     update = {"gradients": gradients, "ddp_buckets": P * w if world > 1 and not fsdp else 0, "activations": int(kept),
               "lm_head": _logits(cfg, scored, V) + scored * C * (a + 4) + V * C * w}  # hidden states, fp32 grads

@@ -84,13 +84,14 @@ def pad_rows(rows: list[list[float]], width: int, device) -> torch.Tensor:
 
 def completion_logprobs(model: Qwen2ForCausalLM, batch: SequenceBatch, *, temperature: float,
                         chunk_size: int = 1024, amp_dtype: torch.dtype | None = None,
-                        return_entropy: bool = False, checkpoint_layers: bool = False):
+                        return_entropy: bool = False, recompute_layers: int = 0):
     """log p(completion token | prefix) under softmax(logits / temperature): (n, C) fp32 [, entropy (n, C)],
     0 past each row's completion. With amp_dtype (bf16 on CUDA) the decoder runs under autocast and the LM head
     is cast to amp_dtype by hand: autocast would not cover token_logprobs' hand-written backward, which would
-    then recompute the softmax in another precision. checkpoint_layers: activation checkpointing."""
+    then recompute the softmax in another precision. recompute_layers: activation checkpointing of the first N
+    decoder layers."""
     with torch.autocast(batch.ids.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-        hidden = model.hidden_states(batch.ids, checkpoint_layers=checkpoint_layers)    # (n, T, D), no mask
+        hidden = model.hidden_states(batch.ids, recompute_layers=recompute_layers)      # (n, T, D), no mask
     rows, j, col = batch.scored                                                            # (M,) each
     dtype = amp_dtype or model.lm_head.weight.dtype
     h, targets = hidden[rows, col].to(dtype), batch.ids[rows, col + 1]                     # (M, D), (M,)

@@ -91,6 +91,7 @@ class Trainer:
         self.device = next(model.parameters()).device
         self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.weights == "fp32" else None
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
+        self.recompute_layers = cfg.recomputed_layers(model.config.num_hidden_layers)  # in the training forward
         # The KL anchor is the policy as it is now, before any update (also when resuming: see resume()).
         self.ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.kl_beta > 0 else None
         if cfg.compile_policy:
@@ -323,7 +324,7 @@ class Trainer:
         return completion_logprobs(model, batch, temperature=self.cfg.temperature,
                                    chunk_size=self.cfg.logprob_chunk_size, amp_dtype=self.amp_dtype,
                                    return_entropy=return_entropy,
-                                   checkpoint_layers=self.cfg.activation_checkpointing)
+                                   recompute_layers=self.recompute_layers)
 
     # ------------------------------------------------------------------------------------------- checkpoints
 

@@ -97,7 +97,8 @@ class Trainer:
         if cfg.compile_policy:
             # Fuses each layer's ~50 small elementwise kernels. Parameters are graph inputs, so one compile
             # serves every layer of both models; batch and length are dynamic (Qwen2ForCausalLM.hidden_states):
-            # one graph per grad mode. nn.Module.compile keeps the state-dict names.
+            # one graph per grad mode (two with grad when only some layers recompute). nn.Module.compile keeps
+            # the state-dict names.
             for m in (model, self.ref) if self.ref is not None else (model,):
                 for layer in m.model.layers:
                     layer.compile(options=LAYER_OPTIONS)

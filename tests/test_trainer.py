@@ -701,6 +701,9 @@ def test_compiled_layers_serve_every_batch_shape_with_one_graph_per_grad_mode(mo
     for B, T in shapes:  # with grad and activation checkpointing: one more graph
         model.hidden_states(torch.randint(0, 256, (B, T)), recompute_layers=2).sum().backward()
     assert counters["unique_graphs"] - graphs == 2
+    for B, T in shapes:  # the first layer recomputed, the second not: one more, whatever the shapes
+        model.hidden_states(torch.randint(0, 256, (B, T)), recompute_layers=1).sum().backward()
+    assert counters["unique_graphs"] - graphs == 3
     layer = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
     for n in range(1, RECOMPILE_LIMIT + 1):
         layer(torch.ones(n))

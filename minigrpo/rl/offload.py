@@ -12,7 +12,11 @@ unsharded parameters), so compiled layers, the scoring forward and state-dict na
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+
+ALIGN = 64  # bytes: each parameter's slice of the host buffer starts aligned for any dtype and for DMA
 
 
 class HostOffload:
@@ -20,14 +24,18 @@ class HostOffload:
     `with offload:` waits for them and frees them at the end."""
 
     def __init__(self, module: torch.nn.Module):
-        self.params = [p for p in module.parameters()]  # a tied weight once
+        self.params = list(module.parameters())  # a tied weight once
         for p in self.params:
             if p.requires_grad or p.storage_offset() or p.untyped_storage().nbytes() != p.numel() * p.element_size():
                 raise ValueError("only a frozen module whose parameters each own their whole storage can be "
                                  "offloaded (copy.deepcopy gives that)")
         cuda = self.params[0].is_cuda
-        # pinned (page-locked) on CUDA: copied in by DMA, asynchronously to the host
-        self.host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda).copy_(p.detach()) for p in self.params]
+        # One pinned (page-locked) buffer on CUDA, copied in by DMA asynchronously to the host. torch's caching host
+        # allocator rounds each pinned allocation up to a power of two: one per parameter would pin up to 2x.
+        sizes = [-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in self.params]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=cuda)
+        self.host = [flat[o:o + p.numel() * p.element_size()].view(p.dtype).view(p.shape).copy_(p.detach())
+                     for p, o in zip(self.params, itertools.accumulate(sizes, initial=0))]
         self.stream = torch.cuda.Stream(self.params[0].device) if cuda else None
         self.ready: torch.cuda.Event | None = None
         self.release()

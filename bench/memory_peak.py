@@ -1,6 +1,6 @@
 """What is live at each phase's peak of a training step, against the memory estimate (minigrpo/rl/memory.py).
 
-    python bench/memory_peak.py lean|default      # on CUDA; writes $OUT/memory_peak_<flags>.txt
+    python bench/memory_peak.py lean|default|lean-offload     # on CUDA; writes $OUT/memory_peak_<flags>.txt
 
 The run is tests/test_memory.py's GPU check (bench/workload.small_training_run). Step 1 warms up; step 2 is
 recorded with torch.cuda.memory._record_memory_history and replayed allocation by allocation. Each allocation

@@ -93,7 +93,8 @@ class ParityTask:
 def small_training_run(flags: str, out_dir: Path):
     """tests/test_memory.py's GPU run: random Qwen2.5-0.5B, 4 prompts x 4 samples x 64 tokens, K = 2, beta 0.04,
     8-row micro-batches, eager engine and policy (no compile warm-up); flags "default", "lean" (bf16 weights,
-    activation checkpointing, 256-token LM-head chunks) or "lean-offload" (and the KL reference offloaded).
+    activation checkpointing, 256-token LM-head chunks) or "lean-offload" (and the KL reference offloaded,
+    only half of the 24 layers recomputed).
     Returns the Trainer and the memory estimate of its run."""
     from minigrpo.engine.rollout import make_backend  # the engine loads the Triton kernels
     from minigrpo.rl.trainer import Trainer
@@ -102,8 +103,9 @@ def small_training_run(flags: str, out_dir: Path):
     cfg = TrainConfig(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=64, inner_epochs=2, micro_batch_size=8,
                       kl_beta=0.04, steps=2, eval_every=0, save_every=0, sample_every=0)
     if flags.startswith("lean"):
-        cfg = replace(cfg, weights="bf16", activation_checkpointing=True, logprob_chunk_size=256,
-                      offload_reference=flags == "lean-offload")
+        cfg = replace(cfg, weights="bf16", activation_checkpointing=True, logprob_chunk_size=256)
+    if flags == "lean-offload":
+        cfg = replace(cfg, offload_reference=True, recompute_layers=12)
     model = random_qwen(device="cuda", dtype=torch.float32 if cfg.weights == "fp32" else torch.bfloat16).train()
     longest = max(len(p) for p in prompts)
     backend = make_backend("sdpa", model, pad_id=tok.pad_id, compile="none", cuda_graphs=False,

@@ -17,9 +17,9 @@ For one model config (default Qwen2.5-0.5B) and each batch size given, with bf16
              reading layer 0's weights (`cublas_l2`: the weights stay in L2, so the chain's cost without
              HBM latency), and `skinny_mlp` (`fused_chain_ms`: one kernel fewer per layer); --autotune adds
              Inductor's max-autotune (its Triton GEMM templates).
-  --pdl      instead, the matmuls alone chained in one graph: cuBLAS against one Triton kernel launched plainly,
-             with programmatic dependent launch, with an L2 prefetch of its weights, and with both
-             (`pdl_chains`; bench/NOTES.md, session 17).
+  --pdl      instead, the matmuls chained in one graph, each followed by one pointwise kernel: cuBLAS against
+             the skinny kernel launched plainly, with programmatic dependent launch, with an L2 prefetch of its
+             weights, and with both (`pdl_chains`; bench/NOTES.md, sessions 17-18).
 Timing: CUDA-graph replay, median (`bench/timing.py`). JSON to $OUT/bench_linear.json.
 
     python bench/linear.py [--rows 64 256] [--config DIR] [--sweep] [--autotune] [--pdl]
@@ -313,8 +313,8 @@ def main():
     p.add_argument("--config", type=Path, default=None, help="folder with config.json (default: Qwen2.5-0.5B)")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--autotune", action="store_true")
-    p.add_argument("--pdl", action="store_true", help="only the matmul-only chains with and without programmatic "
-                   "dependent launch (pdl_chains)")
+    p.add_argument("--pdl", action="store_true", help="only the chains with and without programmatic dependent "
+                   "launch (pdl_chains)")
     args = p.parse_args()
     cfg = ModelConfig.from_json((args.config or qwen_dir()) / "config.json")
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True  # the default; stated
@@ -323,11 +323,12 @@ def main():
     path = Path(os.environ.get("OUT", "out")) / "bench_linear.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"copy bandwidth {copy_tbs:.3f} TB/s")
-    for rows in args.rows if args.pdl else ():
-        out["chains"].append(dict(rows=rows, chain="pdl", **pdl_chains(cfg, rows)))
-        print(json.dumps(out["chains"][-1]))
-        path.write_text(json.dumps(out, indent=1))
-    for rows in args.rows if not args.pdl else ():
+    for rows in args.rows:
+        if args.pdl:
+            out["chains"].append(dict(rows=rows, chain="pdl", **pdl_chains(cfg, rows)))
+            print(json.dumps(out["chains"][-1]))
+            path.write_text(json.dumps(out, indent=1))
+            continue
         for name, (N, K) in shapes(cfg).items():
             r = per_shape(name, N, K, rows, copy_tbs, args.sweep)
             out["shapes"].append(r)

@@ -134,7 +134,8 @@ def compute_idle_s(prof) -> float:
 KEYS = ("time_rollout", "time_reward", "time_logprobs", "time_update", "time_sync", "time_step", "rollout_tokens_per_s",
         "peak_mem_gib", "peak_mem_update_gib", "update_working_mem_gib", "trained_rows", "loss", "kl", "clip_frac",
         "grad_norm", "logp_diff_mean", "logp_diff_max", "mismatch_kl", "tis_weight_mean", "tis_ratio_max",
-        "tis_capped_frac", "old_logp_gap_mean", "old_logp_gap_max", "compiled_graphs", "compile_s", "completion_len_mean", "kv_pool_gib", "gc_s", "gc_full")
+        "tis_capped_frac", "old_logp_gap_mean", "old_logp_gap_max", "compiled_graphs", "compile_s",
+        "completion_len_mean", "kv_pool_gib", "gc_s", "gc_full")
 
 
 def summary(rows: list[dict], estimates, dist: distributed.Dist, samples: int) -> dict:

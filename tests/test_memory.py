@@ -90,8 +90,8 @@ def test_every_term_by_hand():
     e = estimate(m, replace(lean, max_new_tokens=2), prompt_tokens=4)
     assert e.update["optimizer_step"] == 4 * 2 * 26912 - e.update["activations"] - e.update["lm_head"] > 0
     # one of the two layers recomputed: its input (2 x 4 x 50 x 32 bytes), the other layer whole, one recomputed
-    e = estimate(m, replace(lean, recompute_layers=1), prompt_tokens=30, engine=EngineConfig(max_batch=8, max_seq_len=50),
-                 world=2)
+    e = estimate(m, replace(lean, recompute_layers=1), prompt_tokens=30,
+                 engine=EngineConfig(max_batch=8, max_seq_len=50), world=2)
     assert e.update["activations"] == 2 * 4 * 50 * 32 + 2 * 4 * 50 * 848 + 4 * 50 * 848
     # an offloaded reference is on the device for the scoring pass only, not through the update
     base = estimate(m, cfg, prompt_tokens=30)

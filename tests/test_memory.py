@@ -278,10 +278,14 @@ def test_offloaded_weights_come_back_whole_and_leave_no_device_memory():
     with torch.no_grad():
         want = model(ids)
         ref = copy.deepcopy(model).requires_grad_(False)
-        size = sum(-(-p.numel() * p.element_size() // 512) * 512 for p in ref.parameters())  # allocator's rounding
+        params = list(ref.parameters())
+        size = sum(p.numel() * p.element_size() for p in params)
+        gc.collect()  # an earlier test's garbage, freed inside HostOffload, would count as offloaded
         before = torch.cuda.memory_allocated()
         offload = HostOffload(ref)
-        assert before - torch.cuda.memory_allocated() == size
+        released = torch.cuda.memory_allocated()
+        # The caching allocator leaves a block unsplit when less than 1 MiB would remain: each counts up to that more.
+        assert size <= before - released < size + len(params) * 2**20
         for _ in range(2):
             with torch.cuda.stream(offload.stream):
                 torch.cuda._sleep(10**8)  # the copy starts ~50 ms late
@@ -290,4 +294,4 @@ def test_offloaded_weights_come_back_whole_and_leave_no_device_memory():
                 p.fill_(float("nan"))
             with offload:
                 assert torch.equal(ref(ids), want)
-            assert before - torch.cuda.memory_allocated() == size
+            assert torch.cuda.memory_allocated() == released

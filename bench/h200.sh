@@ -189,7 +189,7 @@ case "${1:-}" in
       --variant after32=.:--micro-batch-size=32 \
       --variant after32c1024=.:--micro-batch-size=32,--logprob-chunk-size=1024 "${@:2}" ;;
   mb)          # issue 20's micro-batch shapes, LEAN, and TRL on the same workload in the same call. `mb 05b` (~8 min):
-               # 16, 32 and 64 rows per micro-batch, the 64 one profiled. `mb 15b` (~4 min), `STEPS=5 mb 7b` (~9 min,
+               # 16, 32 and 64 rows per micro-batch, the 64 one profiled. `mb 15b` (~4 min), `STEPS=5 mb 7b` (~6 min,
                # TRL's random 7B is drawn on the CPU): 32 rows, the README's LEAN recipe, plus FLAGS (comma-separated,
                # e.g. FLAGS=--offload-reference,--recompute-layers=23)
     M=${2:-05b}; V=(--variant "mb32=.:--micro-batch-size=32${FLAGS:+,$FLAGS}")
@@ -197,11 +197,11 @@ case "${1:-}" in
     rand ${M/5b/.5b}
     OUT=$OUT/mb$M python3 bench/speed.py --model-dir /tmp/rand$M --data "$DATA" --steps ${STEPS:-6} "${V[@]}" \
       | sed -n '/^summary/,$p'
-    # TRL's steps alternate rollout + update and update: 8 steps give 3 warm pairs (a median), 4 give one
-    C=$DATA/configs/qwen2.5-${M/5b/.5b}-instruct S=8
+    # TRL's steps alternate rollout + update and update: 8 steps give 3 warm pairs, a median (one pair is no figure:
+    # its rollout swings by 50% at 1.5B and 7B)
+    C=$DATA/configs/qwen2.5-${M/5b/.5b}-instruct
     [ "$M" = 05b ] && C=$DATA/qwen2.5-0.5b-instruct
-    [ "$M" = 7b ] && S=4
-    CONFIG=$(realpath "$C") STEPS=$S bash bench/h200.sh trl ;;
+    CONFIG=$(realpath "$C") STEPS=8 bash bench/h200.sh trl ;;
   offload)     # the KL reference offloaded (--offload-reference) against resident, LEAN, 32-row micro-batches, at one
                # size, and with a layer count R given, offloaded with only R layers recomputed: `offload 7b 23`
                # (~7 min), `offload 15b` (~3 min): s/step by phase and peak memory

@@ -416,8 +416,9 @@ def check_memory(args, model_cfg, train, test, dist: distributed.Dist) -> None:
         return
     change = leaner(args.cfg, fits)
     fix = (f"it fits with {as_flags(change)} (about {peak(replace(args.cfg, **change)).total / gib:.1f} GiB)"
-           if change else "no setting of --weights, --activation-checkpointing, --logprob-chunk-size and "
-           "--micro-batch-size fits: use a smaller model, or shorter --max-new-tokens or prompts")
+           if change else "no setting of --weights, --activation-checkpointing, --logprob-chunk-size, "
+           "--offload-reference and --micro-batch-size fits: use a smaller model, or shorter --max-new-tokens or "
+           "prompts")
     raise DoesNotFit(f"this run needs about {need.total / gib:.1f} GiB ({need}) and {MEMORY_MARGIN:.0%} more for "
                      f"the allocator, but {args.device} has {free / gib:.1f} GiB free; {fix}")
 
@@ -474,6 +475,10 @@ def _train(args, dist, out: Path, argv: list[str], locks: contextlib.ExitStack) 
                                                     else build_smoke(args))
         if nonfinite(model):
             raise ValueError(f"the weights in {model_dir} hold NaN or inf; train from a sound model")
+        try:
+            args.cfg.recomputed_layers(model.config.num_hidden_layers)  # the one setting checked against the model
+        except ValueError as e:
+            raise ValueError(flag_names(str(e), build_parser())) from None
         backend = build_backend(args, model, tokenizer, train, test, dist.world)
         # Built before resuming: with --beta > 0 the KL reference is the initial policy, not the checkpoint.
         trainer = Trainer(args.cfg, model, tokenizer, train, backend, out, eval_task=test,

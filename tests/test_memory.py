@@ -240,6 +240,13 @@ def test_leaner_tries_the_cheapest_change_first():
     assert train.leaner(replace(cfg, logprob_chunk_size=128), lambda c: c.weights == "bf16" and
                         c.activation_checkpointing) == {"weights": "bf16", "activation_checkpointing": True}
     assert train.leaner(cfg, lambda c: False) is None
+    # with a KL reference, offloading it comes before any smaller micro-batch; never without one, or under FSDP
+    kl = replace(cfg, kl_beta=0.04)
+    assert train.leaner(kl, lambda c: c.offload_reference or c.micro_batch_size <= 8) == {"offload_reference": True}
+    assert train.leaner(kl, lambda c: c.offload_reference and c.activation_checkpointing) == \
+        {"activation_checkpointing": True, "offload_reference": True}
+    for no_offload in (cfg, replace(kl, parallel="fsdp")):
+        assert train.leaner(no_offload, lambda c: c.offload_reference) is None
     assert train.as_flags({"weights": "bf16", "activation_checkpointing": True, "micro_batch_size": 8}) == \
         "--weights bf16 --activation-checkpointing --micro-batch-size 8"
 

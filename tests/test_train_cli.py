@@ -64,6 +64,8 @@ def test_help_documents_every_flag_and_each_default_once():
     (["--lr=-1e-3"], "--lr must be in (0, 1), got -0.001"),
     (["--seed", "-1"], "--seed must be in [0, 2^32), got -1"),
     (["--recompute-layers", "3"], "--recompute-layers 3 needs --activation-checkpointing, and must be >= 0"),
+    (["--preset", "smoke", "--activation-checkpointing", "--recompute-layers", "9", "--out", "{tmp}/out"],
+     "--recompute-layers 9 is more than the model's 2 decoder layers; use at most 2"),
     (["--beta", "0", "--offload-reference"], "--offload-reference needs a KL reference (--beta > 0) and --parallel "
                                               "'ddp'"),
     (["--preset", "smoke", "--attn", "sdpa", "--sampler", "triton", "--out", "{tmp}/out"],

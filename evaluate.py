@@ -23,8 +23,8 @@ from minigrpo.model.tokenizer import Tokenizer
 from minigrpo.rl import distributed
 from minigrpo.rl.evaluate import decoded, evaluate
 from minigrpo.run.cli import OneLineParser, parse_device
-from minigrpo.tasks.task import load_task, prompt_budget
-from train import add_task_flags, resolve_model_dir
+from minigrpo.tasks.task import add_task_flags, load_task, prompt_budget
+from weights.download import resolve_model_dir
 
 
 def check_out(p: argparse.ArgumentParser, out: Path, overwrite: bool) -> None:

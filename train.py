@@ -50,10 +50,8 @@ from minigrpo.run.checkpoints import latest_name, remove_stale_temps
 from minigrpo.run.cli import OneLineParser, parse_device
 from minigrpo.run.run_dir import check_out, locked_out, move_aside
 from minigrpo.run.stopping import Interrupted, NonFiniteError, nonfinite
-from minigrpo.tasks.qa import SOURCES
-from minigrpo.tasks.task import prompt_budget
-from minigrpo.tasks.templates import TEMPLATES
-from minigrpo.tasks.verifier import REWARD_MODES
+from minigrpo.tasks.task import add_task_flags, prompt_budget
+from weights.download import resolve_model_dir
 
 # --preset sets these defaults; any flag given on the command line still wins.
 PRESETS = {
@@ -83,40 +81,6 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
         if action.default is None or "default" in action.help:
             return action.help
         return super()._get_help_string(action)
-
-
-def resolve_model_dir(model_dir: str | Path | None) -> Path:
-    """`model_dir` if given; otherwise weights/download.py's default directory, downloaded when missing."""
-    from weights.download import DEFAULT_DIR, DEFAULT_REPO, download
-
-    if model_dir is not None:
-        model_dir = Path(model_dir)
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json); download one with "
-                                    f"`python weights/download.py --out {model_dir}`")
-        return model_dir
-    if not (DEFAULT_DIR / "config.json").is_file() or not any(DEFAULT_DIR.glob("*.safetensors")):
-        print(f"no model at {DEFAULT_DIR}: downloading {DEFAULT_REPO} ...", file=sys.stderr)
-        download(DEFAULT_REPO, DEFAULT_DIR)  # offline: exits with a message saying what to do
-    return DEFAULT_DIR
-
-
-def add_task_flags(p) -> None:
-    """The flags that choose the data, the prompt template and the reward (train.py and evaluate.py)."""
-    p.add_argument("--task", choices=sorted(SOURCES), default="gsm8k",
-                   help="gsm8k or math (the Hub's, or local jsonl of their format), or jsonl: your own file, "
-                        "given with the data flags, with the fields below")
-    p.add_argument("--template", choices=list(TEMPLATES), default="chat",
-                   help="prompt template: chat (Qwen2.5 chat, the Qwen2.5-Math instruction), r1 (the R1-Zero "
-                        "plain-text template: <think>, then <answer>), qwen-math (chat with the Qwen2.5-Math "
-                        "system prompt), none (the bare question)")
-    p.add_argument("--question-field", default=None, help="the question's field in a jsonl record "
-                   "(default: the task's, 'question' for gsm8k and jsonl, 'problem' for math)")
-    p.add_argument("--answer-field", default=None, help="the answer's field (default: 'answer'; for math "
-                   "'solution', whose last \\boxed{} is the answer)")
-    p.add_argument("--reward", choices=REWARD_MODES, default=None,
-                   help="numeric: the final number; exact: the boxed (or <answer>) text; boxed: that, or "
-                        "symbolically equal by math-verify if installed (default: boxed for math, else numeric)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(fused elementwise ops, fewer kernel launches). Batch and length dimensions are "
                         "dynamic: one graph per grad mode, compiled in the first step (default: on with CUDA)")
     g.add_argument("--logprob-chunk-size", type=int, default=D.logprob_chunk_size,
-                   help="tokens per LM-head chunk when computing log-probs (memory: ~2 x chunk x vocab x 2 bytes on CUDA); "
-                        "0 = full logits, the naive way (to compare memory)")
+                   help="tokens per LM-head chunk when computing log-probs (memory: ~2 x chunk x vocab x 2 bytes on "
+                        "CUDA); 0 = full logits, the naive way (to compare memory)")
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                    default=D.activation_checkpointing,
                    help="recompute each decoder layer in backward: far less activation memory, one more forward")
@@ -255,7 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.cfg = TrainConfig(
             prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
             max_new_tokens=args.max_new_tokens, inner_epochs=args.inner_epochs, minibatch_size=args.minibatch_size,
-            micro_batch_size=args.micro_batch_size, score_batch_size=args.score_batch_size, lr=args.lr, betas=tuple(args.betas),
+            micro_batch_size=args.micro_batch_size, score_batch_size=args.score_batch_size, lr=args.lr,
+            betas=tuple(args.betas),
             weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps,
             lr_schedule=args.lr_schedule, min_lr_ratio=args.min_lr_ratio, eps=args.eps, eps_high=args.eps_high,
             kl_beta=args.beta, temperature=args.temperature, top_p=args.top_p, tis=args.tis, tis_cap=args.tis_cap,

@@ -1,6 +1,6 @@
 """Get a model directory: download Qwen2.5 from the Hugging Face Hub, or write a random-initialised one.
 
-    python weights/download.py                                   # Qwen/Qwen2.5-0.5B-Instruct -> checkpoints/qwen2.5-0.5b-instruct
+    python weights/download.py                      # Qwen/Qwen2.5-0.5B-Instruct -> checkpoints/qwen2.5-0.5b-instruct
     python weights/download.py --repo Qwen/Qwen2.5-1.5B-Instruct --out checkpoints/qwen1.5b
     python weights/download.py --random-init --out /tmp/random-qwen         # Qwen2.5-0.5B's shape and tokenizer
     python weights/download.py --random-init --config path/to/config.json --out /tmp/random-qwen   # offline
@@ -93,6 +93,21 @@ def check_config(p: argparse.ArgumentParser, config: Path) -> None:
         ModelConfig.from_json(config)
     except (OSError, ValueError) as e:
         p.error(f"--config: {e}")  # the message names the file
+
+
+def resolve_model_dir(model_dir: str | Path | None) -> Path:
+    """`model_dir` if given (train.py's and evaluate.py's --model-dir); otherwise DEFAULT_DIR, downloaded when
+    missing."""
+    if model_dir is not None:
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json); download one with "
+                                    f"`python weights/download.py --out {model_dir}`")
+        return model_dir
+    if not (DEFAULT_DIR / "config.json").is_file() or not any(DEFAULT_DIR.glob("*.safetensors")):
+        print(f"no model at {DEFAULT_DIR}: downloading {DEFAULT_REPO} ...", file=sys.stderr)
+        download(DEFAULT_REPO, DEFAULT_DIR)  # offline: exits with a message saying what to do
+    return DEFAULT_DIR
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ from typing import Protocol
 
 from minigrpo.tasks.qa import SOURCES, Example, load_examples
 from minigrpo.tasks.templates import TEMPLATES, Stops, Template
-from minigrpo.tasks.verifier import reward
+from minigrpo.tasks.verifier import REWARD_MODES, reward
 
 
 class Task(Protocol):
@@ -64,6 +64,25 @@ def load_task(task: str, split: str, tokenizer, *, path=None, template: str = "c
     examples = load_examples(task, split, path, question_field=question_field, answer_field=answer_field,
                              numeric=reward_mode == "numeric")
     return QATask(examples, tokenizer, TEMPLATES[template], reward_mode)
+
+
+def add_task_flags(p) -> None:
+    """The command-line flags that choose the data, the prompt template and the reward: load_task's arguments
+    (train.py and evaluate.py)."""
+    p.add_argument("--task", choices=sorted(SOURCES), default="gsm8k",
+                   help="gsm8k or math (the Hub's, or local jsonl of their format), or jsonl: your own file, "
+                        "given with the data flags, with the fields below")
+    p.add_argument("--template", choices=list(TEMPLATES), default="chat",
+                   help="prompt template: chat (Qwen2.5 chat, the Qwen2.5-Math instruction), r1 (the R1-Zero "
+                        "plain-text template: <think>, then <answer>), qwen-math (chat with the Qwen2.5-Math "
+                        "system prompt), none (the bare question)")
+    p.add_argument("--question-field", default=None, help="the question's field in a jsonl record "
+                   "(default: the task's, 'question' for gsm8k and jsonl, 'problem' for math)")
+    p.add_argument("--answer-field", default=None, help="the answer's field (default: 'answer'; for math "
+                   "'solution', whose last \\boxed{} is the answer)")
+    p.add_argument("--reward", choices=REWARD_MODES, default=None,
+                   help="numeric: the final number; exact: the boxed (or <answer>) text; boxed: that, or "
+                        "symbolically equal by math-verify if installed (default: boxed for math, else numeric)")
 
 
 def prompt_budget(tasks: Sequence[tuple[Task, int]], max_positions: int, max_new_tokens: int,

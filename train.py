@@ -44,7 +44,7 @@ from minigrpo.engine.rollout import ATTN_BACKENDS, make_backend
 from minigrpo.rl import distributed
 from minigrpo.rl.config import PARALLEL, WEIGHT_DTYPES, TrainConfig
 from minigrpo.rl.loop import run
-from minigrpo.rl.memory import estimate, leaner
+from minigrpo.rl.memory import estimate, fewest_recomputed, leaner
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import latest_name, remove_stale_temps
 from minigrpo.run.cli import OneLineParser, parse_device
@@ -177,9 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                    default=D.activation_checkpointing,
                    help="recompute each decoder layer in backward: far less activation memory, one more forward")
-    g.add_argument("--recompute-layers", type=int, default=D.recompute_layers, metavar="N",
+    g.add_argument("--recompute-layers", type=layer_count, default=D.recompute_layers, metavar="N|auto",
                    help="with --activation-checkpointing, only the first N decoder layers recompute; the others keep "
-                        "their activations: faster, more memory (default: all layers)")
+                        "their activations: faster, more memory. auto: the fewest whose estimated peak fits the "
+                        "GPU's free memory (all of them off CUDA; default: all layers)")
     g.add_argument("--offload-reference", action=argparse.BooleanOptionalAction, default=D.offload_reference,
                    help="keep the KL reference (--beta > 0) in pinned host memory, copied in during each rollout and "
                         "freed before the update: the update's peak lacks a copy of the model (PCIe time, hidden)")
@@ -202,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write decoded sample completions to samples.jsonl every N steps (0 = never)")
     g.add_argument("--num-samples", type=int, default=D.num_samples, help="completions written each time")
     return p
+
+
+def layer_count(text: str) -> int | str:
+    """--recompute-layers' value: a whole number, or auto (resolved by check_memory)."""
+    if text == "auto" or text.isdigit():
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"expected a number of layers or auto, got {text!r}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -230,7 +238,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             eval_temperature=args.eval_temperature, save_every=args.save_every,
             keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,
             seed=args.seed, logprob_chunk_size=args.logprob_chunk_size,
-            activation_checkpointing=args.activation_checkpointing, recompute_layers=args.recompute_layers,
+            activation_checkpointing=args.activation_checkpointing,
+            recompute_layers=None if args.recompute_layers == "auto" else args.recompute_layers,
             offload_reference=args.offload_reference,
             weights=args.weights, parallel=args.parallel,
             task=(args.preset if args.preset != "gsm8k"
@@ -240,6 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             else device.type == "cuda" and args.attn != "reference"))
     except ValueError as e:
         parser.error(flag_names(str(e), parser))
+    if args.recompute_layers == "auto" and not args.activation_checkpointing:
+        parser.error("--recompute-layers auto needs --activation-checkpointing (without it no layer recomputes)")
     if args.parallel == "fsdp" and args.attn == "reference":
         parser.error("--parallel fsdp shards the policy, which --attn reference generates with; use the engine "
                      "(--attn sdpa on the CPU, triton on CUDA)")
@@ -364,7 +375,8 @@ def free_memory(device: str) -> int | None:
 
 def check_memory(args, model_cfg, train, test, dist: distributed.Dist) -> None:
     """Stop at start, with one line naming a setting that fits, when the estimated peak (plus MEMORY_MARGIN)
-    exceeds the device's free memory (the least of all ranks', so that every rank decides alike)."""
+    exceeds the device's free memory (the least of all ranks', so that every rank decides alike). First, with
+    --recompute-layers auto, settle how many layers recompute."""
     free = free_memory(args.device)
     if free is None:
         return
@@ -373,11 +385,15 @@ def check_memory(args, model_cfg, train, test, dist: distributed.Dist) -> None:
 
     def fits(cfg: TrainConfig) -> bool:
         return peak(cfg).total * (1 + MEMORY_MARGIN) <= free
+    L, auto = model_cfg.num_hidden_layers, ""
+    if args.recompute_layers == "auto":
+        args.cfg = replace(args.cfg, recompute_layers=fewest_recomputed(args.cfg, L, fits))
+        auto = f"; --recompute-layers auto: {args.cfg.recompute_layers} of {L} layers recompute"
     need, gib = peak(args.cfg), 2**30
     if fits(args.cfg):
         if dist.is_main:
-            print(f"memory: about {need.total / gib:.1f} of the {free / gib:.1f} GiB free on {args.device} ({need})",
-                  file=sys.stderr)
+            print(f"memory: about {need.total / gib:.1f} of the {free / gib:.1f} GiB free on {args.device} ({need})"
+                  f"{auto}", file=sys.stderr)
         return
     change = leaner(args.cfg, fits)
     fix = (f"it fits with {as_flags(change)} (about {peak(replace(args.cfg, **change)).total / gib:.1f} GiB)"

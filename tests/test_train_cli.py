@@ -66,6 +66,9 @@ def test_help_documents_every_flag_and_each_default_once():
     (["--recompute-layers", "3"], "--recompute-layers 3 needs --activation-checkpointing, and must be >= 0"),
     (["--preset", "smoke", "--activation-checkpointing", "--recompute-layers", "9", "--out", "{tmp}/out"],
      "--recompute-layers 9 is more than the model's 2 decoder layers; use at most 2"),
+    (["--activation-checkpointing", "--recompute-layers", "half"], "argument --recompute-layers: expected a number "
+                                                                  "of layers or auto, got 'half'"),
+    (["--recompute-layers", "auto"], "--recompute-layers auto needs --activation-checkpointing"),
     (["--beta", "0", "--offload-reference"], "--offload-reference needs a KL reference (--beta > 0) and --parallel "
                                               "'ddp'"),
     (["--preset", "smoke", "--attn", "sdpa", "--sampler", "triton", "--out", "{tmp}/out"],
@@ -151,8 +154,8 @@ def test_a_data_error_is_one_line_at_load_with_file_and_line(tmp_path, tiny_qwen
 
 @pytest.mark.parametrize("flags, message", [
     (["--max-prompt-tokens", "20", "--max-new-tokens", "3"], "3 of 3 prompts are longer than --max-prompt-tokens 20"),
-    (["--max-new-tokens", "500"], "3 of 3 prompts are longer than the 12 tokens that the model's 512 positions leave after "
-                                  "500 new tokens"),
+    (["--max-new-tokens", "500"], "3 of 3 prompts are longer than the 12 tokens that the model's 512 positions "
+                                  "leave after 500 new tokens"),
 ])
 def test_prompts_over_the_budget_are_refused_at_start(tmp_path, tiny_qwen_dir, flags, message):
     path = _small_train_file(tmp_path)
@@ -223,6 +226,31 @@ def test_math_offline_is_one_line_naming_the_flag(tmp_path, tiny_qwen_dir):
     assert proc.stderr.startswith("error: Could not download HuggingFaceH4/MATH-500/test.jsonl from the Hugging "
                                   "Face Hub")
     assert proc.stderr.strip().endswith("--test-data .../test.jsonl.")
+
+
+def test_recompute_layers_auto_keeps_the_activations_that_fit(tiny_qwen_dir, tmp_path, monkeypatch, capsys):
+    """--recompute-layers auto, free memory pretended between the estimates of 1 and 0 recomputed layers (of 2):
+    the memory check settles on 1 and says so."""
+    sys.path.insert(0, str(REPO))
+    import train
+    from minigrpo.model.config import ModelConfig
+    from minigrpo.model.tokenizer import Tokenizer
+    from minigrpo.rl.distributed import Dist
+    from minigrpo.tasks.task import load_task
+
+    path = _small_train_file(tmp_path)
+    args = train.parse_args(["--model-dir", str(tiny_qwen_dir), "--train-data", str(path), "--device", "cpu",
+                             "--attn", "sdpa", "-B", "2", "-G", "2", "--max-new-tokens", "3",
+                             "--activation-checkpointing", "--recompute-layers", "auto"])
+    model_cfg, task = ModelConfig.from_json(tiny_qwen_dir), load_task("gsm8k", "train", Tokenizer.from_dir(
+        tiny_qwen_dir), path=path)
+    peak = train.memory_estimator(args, model_cfg, task, None)
+    need = [peak(replace(args.cfg, recompute_layers=r)).total * (1 + train.MEMORY_MARGIN) for r in (0, 1)]
+    assert need[0] > need[1]
+    monkeypatch.setattr(train, "free_memory", lambda device: int(need[1]) + 1)
+    train.check_memory(args, model_cfg, task, None, Dist())
+    assert args.cfg.recompute_layers == 1
+    assert capsys.readouterr().err.strip().endswith("--recompute-layers auto: 1 of 2 layers recompute")
 
 
 def test_a_run_that_would_not_fit_stops_at_start_naming_a_setting_that_does(tmp_path, tiny_qwen_dir, monkeypatch,

@@ -18,7 +18,8 @@ resident (held from the first step on):
 update (one micro-batch's forward and backward, the optimizer step's gradients):
   gradients         P x 4 (fp32); bf16: P x 2, or P x 4 while 3+ micro-batches are summed in fp32 (GradSync)
   ddp_buckets       with W > 1, DDP's flat gradient buckets: another P x gradient size
-  activations       saved for the backward (_layer_bytes); a checkpointed layer only its input, + one recomputed
+  activations       saved for the backward (_layer_bytes); a checkpointed layer only its input; + one layer of
+                    backward work (with every layer checkpointed: + the one recomputed, too)
   lm_head           the log-probs' logits block and temporaries, the hidden states and their gradient, and
                     the head's weight gradient, whole before it is added to the weight's .grad
   optimizer_step    bf16 weights: StochasticAdamW's piece of concatenated small parameters (w, g, m, v; optim.py),
@@ -145,8 +146,10 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
                                 shared=e == w and not fsdp))
 
     layer = _layer_bytes(m, a, r) * (1 if compiled else EAGER_FACTOR) * mb * T          # one layer's batch
-    Lr = cfg.recomputed_layers(L)  # their inputs kept, and one of them recomputed at a time; the others whole
-    kept = Lr * mb * T * r * C + (L - Lr + 1) * layer + (layer if Lr else 0)
+    # The recomputed layers keep their inputs, the others all they save, and the backward works on one layer more:
+    # the top layer's gradients at first, later a recomputed layer's, once the kept layers are freed (hence >= 2).
+    Lr = cfg.recomputed_layers(L)
+    kept = Lr * mb * T * r * C + max(L - Lr + 1, 2) * layer
     scored = mb * cfg.max_new_tokens                                                      # log-probs taken
     update = {"gradients": gradients, "ddp_buckets": P * w if world > 1 and not fsdp else 0, "activations": int(kept),
               "lm_head": _logits(cfg, scored, V) + scored * C * (a + 4) + V * C * w}  # hidden states, fp32 grads
@@ -156,6 +159,13 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
     scoring = (ms * T * (2 * r * C + a * (2 * C + 2 * KD + 3 * m.intermediate_size))     # one layer, no grad
                + _logits(cfg, ms * cfg.max_new_tokens, V) + (reference if cfg.offload_reference else 0))
     return MemoryEstimate(resident, update, scoring)
+
+
+def fewest_recomputed(cfg: TrainConfig, layers: int, fits) -> int:
+    """`--recompute-layers auto`: the fewest of the model's `layers` decoder layers that must recompute (the first
+    ones; the others keep their activations, which is faster) for fits(cfg with them) to hold. All of them when
+    even that does not fit: the memory check then names a setting that does."""
+    return next((r for r in range(layers) if fits(replace(cfg, recompute_layers=r))), layers)
 
 
 def leaner(cfg: TrainConfig, fits) -> dict | None:

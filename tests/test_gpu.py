@@ -157,6 +157,7 @@ def test_greedy_continuations_match_transformers(setup, models):
 
 MODES = [(attn, comp, graphs) for attn in ("eager", "sdpa", "triton") for comp in ("none", "step")
          for graphs in (False, True)]
+MODE_IDS = [f"{a}-{c}-{'graphs' if g else 'nographs'}" for a, c, g in MODES]
 REFERENCE = {}
 
 
@@ -222,14 +223,14 @@ def engine_vs_reference(setup, models, dtype, attn, comp, graphs):
     return same, gaps, err, ref_err
 
 
-@pytest.mark.parametrize("attn, comp, graphs", MODES, ids=[f"{a}-{c}-{'graphs' if g else 'nographs'}" for a, c, g in MODES])
+@pytest.mark.parametrize("attn, comp, graphs", MODES, ids=MODE_IDS)
 @torch.no_grad()
 def test_engine_greedy_matches_reference_fp32(setup, models, attn, comp, graphs):
     same, *_ = engine_vs_reference(setup, models, torch.float32, attn, comp, graphs)
     assert same >= 7
 
 
-@pytest.mark.parametrize("attn, comp, graphs", MODES, ids=[f"{a}-{c}-{'graphs' if g else 'nographs'}" for a, c, g in MODES])
+@pytest.mark.parametrize("attn, comp, graphs", MODES, ids=MODE_IDS)
 @torch.no_grad()
 def test_engine_greedy_bf16(setup, models, attn, comp, graphs):
     """Confident (fitted) weights: the same tokens for at least 7 of 8 prompts. Random weights: wherever

@@ -62,7 +62,8 @@ def test_top_k_and_top_p_keep_exactly_the_nucleus():
     # top_p just above p[1]: token 1 alone is not enough, so token 3 joins; token 2 does not.
     kept = torch.isfinite(filter_logits(logits, SamplingParams(top_p=float(p[1]) + 1e-3)))[0].tolist()
     assert kept == [False, True, False, True]
-    toks, _ = sample(logits.expand(500, -1), SamplingParams(top_k=2), torch.arange(500), torch.zeros(500, dtype=torch.long))
+    toks, _ = sample(logits.expand(500, -1), SamplingParams(top_k=2), torch.arange(500),
+                     torch.zeros(500, dtype=torch.long))
     assert set(toks.tolist()) == {1, 3}
 
 

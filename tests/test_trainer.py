@@ -616,7 +616,8 @@ def test_policy_dtype_must_match_the_weights_setting(tmp_path):
     tokenizer = CharTokenizer()
     cfg = TrainConfig(prompts_per_step=2, samples_per_prompt=2, eval_every=0, weights="bf16")
     model = tiny_policy(tokenizer.vocab_size, seed=0)  # fp32
-    with pytest.raises(ValueError, match=r"weights='bf16' needs the policy in torch.bfloat16, found \['torch.float32'\]"):
+    with pytest.raises(ValueError,
+                       match=r"weights='bf16' needs the policy in torch.bfloat16, found \['torch.float32'\]"):
         Trainer(cfg, model, tokenizer, FirstDigitTask(tokenizer, 10, seed=0), ReferenceBackend(model, 0), tmp_path)
     with pytest.raises(ValueError, match="weights must be one of"):
         TrainConfig(weights="fp16")

@@ -39,10 +39,10 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import copy_bandwidth_tbs, time_graph  # noqa: E402
-from bench.workload import qwen_dir  # noqa: E402
 from torch.library import wrap_triton  # noqa: E402
 
+from bench.timing import copy_bandwidth_tbs, time_graph  # noqa: E402
+from bench.workload import qwen_dir  # noqa: E402
 from kernels.decode_attention import sm_count  # noqa: E402
 from minigrpo.model.config import ModelConfig  # noqa: E402
 

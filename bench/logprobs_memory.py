@@ -33,7 +33,8 @@ def measure(fn, hidden, weight, targets):
     logp = fn(hidden, weight, targets)
     logp.sum().backward()
     torch.cuda.synchronize()
-    return logp.detach(), hidden.grad.clone(), weight.grad.clone(), (torch.cuda.max_memory_allocated() - resident) / 2**30
+    peak_gib = (torch.cuda.max_memory_allocated() - resident) / 2**30
+    return logp.detach(), hidden.grad.clone(), weight.grad.clone(), peak_gib
 
 
 def main():

@@ -138,7 +138,8 @@ def worker(args) -> None:
             flops = model_flops(model, lens["p"], lens["c"], cli.cfg.inner_epochs)
             row = {"step": step, **{k: round(v, 4) for k, v in m.items() if k.startswith("time_")},
                    "compile_s": round(clock["total"] - compiling, 2), "peak_mem_gib": round(m["peak_mem_gib"], 3),
-                   "update_tflops": round(flops / 1e12, 1), "update_mfu": round(flops / m["time_update"] / PEAK_FLOPS, 4),
+                   "update_tflops": round(flops / 1e12, 1),
+                   "update_mfu": round(flops / m["time_update"] / PEAK_FLOPS, 4),
                    "graphs": m.get("compiled_graphs"), "tokens": sum(lens["p"]) + sum(lens["c"])}
         print("SPEED " + json.dumps(row), flush=True)
 
@@ -150,15 +151,18 @@ def summary(name: str, rows: list[dict]) -> str:
     def med(key):
         return statistics.median(r[key] for r in warm)
     compile_total = sum(r["compile_s"] for r in steps)
-    line = (f"{name:>10} | {med('time_step'):.3f} s/step | roll {med('time_rollout'):.3f} lp {med('time_logprobs'):.3f} "
-            f"upd {med('time_update'):.3f} | MFU {100 * med('update_mfu'):.1f}% | compile {compile_total:.1f} s "
-            f"(step 1 {steps[0]['compile_s']:.1f}, later {compile_total - steps[0]['compile_s']:.1f}) | "
-            f"peak {max(r['peak_mem_gib'] for r in steps):.2f} GiB | graphs {steps[-1]['graphs']} | warm steps {len(warm)}")
+    line = (f"{name:>10} | {med('time_step'):.3f} s/step | roll {med('time_rollout'):.3f} "
+            f"lp {med('time_logprobs'):.3f} upd {med('time_update'):.3f} | MFU {100 * med('update_mfu'):.1f}% | "
+            f"compile {compile_total:.1f} s (step 1 {steps[0]['compile_s']:.1f}, "
+            f"later {compile_total - steps[0]['compile_s']:.1f}) | "
+            f"peak {max(r['peak_mem_gib'] for r in steps):.2f} GiB | graphs {steps[-1]['graphs']} | "
+            f"warm steps {len(warm)}")
     for r in rows:
         if "profile" in r:
             p = r["profile"]
             line += (f"\n{'':>10}   profiled update: {p['update_wall_s']:.3f} s wall, GPU busy {p['gpu_busy_s']:.3f} s "
-                     f"({100 * p['gpu_busy_s'] / p['update_wall_s']:.0f}%), {p['kernels']} kernels; top ms: {p['top_kernels_ms']}")
+                     f"({100 * p['gpu_busy_s'] / p['update_wall_s']:.0f}%), {p['kernels']} kernels; "
+                     f"top ms: {p['top_kernels_ms']}")
     return line
 
 

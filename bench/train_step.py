@@ -98,8 +98,10 @@ def run(spec: str, args, full_logits: bool, out: Path, dist: distributed.Dist) -
         events = prof.key_averages()
         gpu_us = sum(e.self_device_time_total for e in events)
         nccl_us = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
-        phases = ", ".join(f"{k[5:]} {v:.3f}" for k, v in prof_row.items() if k.startswith("time_") and k != "time_step")
-        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        phases = ", ".join(f"{k[5:]} {v:.3f}" for k, v in prof_row.items()
+                           if k.startswith("time_") and k != "time_step")
+        launches = sum(e.count for e in events
+                       if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
         summary = (f"rank {dist.rank} profiled step: {prof_row['time_step']:.3f} s wall ({phases}); GPU kernels busy "
                    f"{gpu_us / 1e6:.3f} s, of which NCCL {nccl_us / 1e6:.3f} s; no compute kernel running "
                    f"{compute_idle_s(prof):.3f} s; {launches} kernel launches\n")
@@ -185,7 +187,8 @@ def main():
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     result = {}
-    runs = [(a, False) for a in args.attn.split(",") if a] + ([(args.full_logits_attn, True)] if args.full_logits else [])
+    runs = [(a, False) for a in args.attn.split(",") if a]
+    runs += [(args.full_logits_attn, True)] if args.full_logits else []
     for attn, full in runs:
         name = (f"{attn}_full_logits" if full else attn).replace(":", "_compile_")
         try:
@@ -195,7 +198,7 @@ def main():
             result[name] = {"refused": str(e)}
         if dist.is_main:
             print(name, json.dumps(result[name]), flush=True)
-            (out / "train_step.json").write_text(json.dumps(result, indent=1))  # after each run: partial results survive
+            (out / "train_step.json").write_text(json.dumps(result, indent=1))  # after each run: partials survive
     distributed.shutdown(dist, together=True)
 
 

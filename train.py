@@ -207,8 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def layer_count(text: str) -> int | str:
     """--recompute-layers' value: a whole number, or auto (resolved by check_memory)."""
-    if text == "auto" or text.isdigit():
-        return text if text == "auto" else int(text)
+    if text.isdigit():
+        return int(text)
+    if text == "auto":
+        return text
     raise argparse.ArgumentTypeError(f"expected a number of layers or auto, got {text!r}")
 
 

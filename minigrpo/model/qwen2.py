@@ -149,10 +149,11 @@ class Qwen2ForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)                                            # (B, T, C)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)         # (B, T, D)
         recompute = recompute_layers if torch.is_grad_enabled() else 0
+        # compiled layers (the trainer's): one graph for every B and T, whichever layer compiles it; eager: a no-op
+        for t in (cos, sin):
+            torch._dynamo.maybe_mark_dynamic(t, [0, 1])
         for i, layer in enumerate(self.model.layers):
-            # compiled layers (the trainer's): one graph for every B and T, whichever layer compiles it; eager: a no-op
-            for t in (x, cos, sin):
-                torch._dynamo.maybe_mark_dynamic(t, [0, 1])
+            torch._dynamo.maybe_mark_dynamic(x, [0, 1])  # each layer's input: a new tensor
             x = layer(x, cos, sin, mask, i < recompute)
         return self.model.norm(x)                                                         # (B, T, C)
 

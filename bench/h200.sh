@@ -191,7 +191,7 @@ case "${1:-}" in
   mb)          # issue 20's micro-batch shapes, LEAN, and TRL on the same workload in the same call. `mb 05b` (~8 min):
                # 16, 32 and 64 rows per micro-batch, the 64 one profiled. `mb 15b` (~4 min), `STEPS=5 mb 7b` (~6 min,
                # TRL's random 7B is drawn on the CPU): 32 rows, the README's LEAN recipe, plus FLAGS (comma-separated,
-               # e.g. FLAGS=--offload-reference,--recompute-layers=23)
+               # e.g. FLAGS=--offload-reference,--recompute-layers=23); TRL=0 leaves TRL out (ours only, ~2 min)
     M=${2:-05b}; V=(--variant "mb32=.:--micro-batch-size=32${FLAGS:+,$FLAGS}")
     [ "$M" = 05b ] && V=(--variant mb16=. "${V[@]}" --variant mb64=.:--micro-batch-size=64 --profile mb64)
     rand ${M/5b/.5b}
@@ -201,7 +201,7 @@ case "${1:-}" in
     # its rollout swings by 50% at 1.5B and 7B)
     C=$DATA/configs/qwen2.5-${M/5b/.5b}-instruct
     [ "$M" = 05b ] && C=$DATA/qwen2.5-0.5b-instruct
-    CONFIG=$(realpath "$C") STEPS=8 bash bench/h200.sh trl ;;
+    [ "${TRL:-1}" = 0 ] || CONFIG=$(realpath "$C") STEPS=8 bash bench/h200.sh trl ;;
   offload)     # the KL reference offloaded (--offload-reference) against resident, LEAN, 32-row micro-batches, at one
                # size, and with a layer count R given, offloaded with only R layers recomputed: `offload 7b 23`
                # (~7 min), `offload 15b` (~3 min): s/step by phase and peak memory

@@ -191,8 +191,10 @@ case "${1:-}" in
   mb)          # issue 20's micro-batch shapes, LEAN, and TRL on the same workload in the same call. `mb 05b` (~8 min):
                # 16, 32 and 64 rows per micro-batch, the 64 one profiled. `mb 15b` (~4 min), `STEPS=5 mb 7b` (~6 min,
                # TRL's random 7B is drawn on the CPU): 32 rows, the README's LEAN recipe, plus FLAGS (comma-separated,
-               # e.g. FLAGS=--offload-reference,--recompute-layers=23); TRL=0 leaves TRL out (ours only, ~2 min)
+               # e.g. FLAGS=--offload-reference,--recompute-layers=23); TRL=0 leaves TRL out (ours only, ~2 min);
+               # PROFILE=1 profiles one more mb32 step (the update's GPU-busy share and top kernels)
     M=${2:-05b}; V=(--variant "mb32=.:--micro-batch-size=32${FLAGS:+,$FLAGS}")
+    [ "${PROFILE:-0}" = 1 ] && V+=(--profile mb32)
     [ "$M" = 05b ] && V=(--variant mb16=. "${V[@]}" --variant mb64=.:--micro-batch-size=64 --profile mb64)
     rand ${M/5b/.5b}
     OUT=$OUT/mb$M python3 bench/speed.py --model-dir /tmp/rand$M --data "$DATA" --steps ${STEPS:-6} "${V[@]}" \

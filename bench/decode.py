@@ -131,7 +131,9 @@ def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
     """Share of one decode step per part, from graph-timed pieces; attention includes the new token's RoPE and
     KV store (as the step runs them), norms and the rest are the remainder."""
     st, kv, m, attn = engine.state, engine.kv, engine.model, engine.cfg.attn
-    tok, pos, ctr, seed, limit, done, table, out_tok, out_logp, stops = st.args(B)
+    a = st.step_args(B)
+    tok, pos, ctr, seed, limit, done, table, out_tok, out_logp, stops = (
+        a[n] for n in ("tok", "pos", "ctr", "seed", "limit", "done", "block_table", "out_tok", "out_logp", "stops"))
     pages = torch.randperm(kv.num_pages - 1, device="cuda")[: B * table.shape[1]].view(B, -1) + 1
     table.copy_(pages.int())
     pos.fill_(ctx)
@@ -217,8 +219,8 @@ def step_report(engine: Engine, B: int, explain: bool = True) -> dict:
     st, kv, m, attn = engine.state, engine.kv, engine.model, engine.cfg.attn
     row = {}
     if engine.cfg.compile == "step" and explain:
-        ex = torch._dynamo.explain(decode_step)(m, attn, SAMPLING, *st.args(B), kv.k, kv.v, engine.cfg.sampler,
-                                                engine.runner.num_splits)
+        ex = torch._dynamo.explain(decode_step)(m, attn, SAMPLING, **st.step_args(B), k_pools=kv.k, v_pools=kv.v,
+                                                sampler=engine.cfg.sampler, num_splits=engine.runner.num_splits)
         row.update(graphs=ex.graph_count, graph_breaks=ex.graph_break_count,
                    break_reasons=[str(b.reason) for b in ex.break_reasons])
     step = engine.runner.step(B, SAMPLING)

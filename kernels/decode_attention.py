@@ -244,7 +244,7 @@ def launch_paged_decode(q, k, v, k_pool, v_pool, block_table, seq_lens, cos, sin
     if S & (S - 1):
         raise ValueError(f"page_size must be a power of two for the Triton kernel, got {S}")
     NS = num_splits or choose_num_splits(B, Hkv, M * S, sm_count(q.device))
-    # Fewer stages at D = 128 keep the shared memory per program (~38 KiB on sm_90) from growing further.
+    # Fewer stages at D = 128: each stage buffers a K and a V tile, and the shared memory per program grows with both.
     num_stages = num_stages or (2 if D >= 128 else 3)
     n_rep = Hq // Hkv
 

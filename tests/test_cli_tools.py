@@ -41,6 +41,11 @@ def config(tmp_path):
 
 # --- weights/download.py ------------------------------------------------------------------------------------
 
+def test_download_refuses_the_random_init_flags_without_random_init(config):
+    refused(run(["weights/download.py", "--config", str(config), "--seed", "3"]),
+            "--config, --seed: for --random-init only")
+
+
 def test_random_init_keeps_a_non_empty_out_unless_told_to_overwrite(tmp_path, config):
     out = tmp_path / "model"
     out.mkdir()

@@ -150,10 +150,13 @@ def test_bad_requests(model, kwargs, message):
 
 
 def test_bad_engine_config_names_the_field():
-    with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
-        EngineConfig(page_size=0)
-    with pytest.raises(ValueError, match="sync_every must be >= 1, got 0"):
-        EngineConfig(sync_every=0)
+    for bad, message in ((dict(page_size=0), "page_size must be a power of two, got 0"),
+                         (dict(page_size=12), "page_size must be a power of two, got 12"),
+                         (dict(sync_every=0), "sync_every must be >= 1, got 0"),
+                         (dict(kv_memory_fraction=0.0), r"kv_memory_fraction must be in \(0, 1\], got 0.0"),
+                         (dict(kv_pages=1), "kv_pages must be at least 2")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(**bad)
 
 
 def test_interrupted_rollout_leaves_the_engine_as_it_found_it(model, prompts, monkeypatch):
@@ -179,9 +182,9 @@ def test_interrupted_rollout_leaves_the_engine_as_it_found_it(model, prompts, mo
 @pytest.mark.parametrize("attn", ["eager", "sdpa", "triton"])
 def test_decode_step_traces_with_zero_graph_breaks(model, attn):
     engine = make_engine(model, attn=attn)
-    explain = torch._dynamo.explain(decode_step)(engine.model, attn, SamplingParams(1.0),
-                                                  *engine.state.args(8), engine.kv.k, engine.kv.v,
-                                                  "triton" if attn == "triton" else "torch")
+    sampler = "triton" if attn == "triton" else "torch"
+    explain = torch._dynamo.explain(decode_step)(engine.model, attn, SamplingParams(1.0), **engine.state.step_args(8),
+                                                  k_pools=engine.kv.k, v_pools=engine.kv.v, sampler=sampler)
     assert explain.graph_break_count == 0, explain.break_reasons
     assert explain.graph_count == 1
 

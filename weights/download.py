@@ -46,9 +46,10 @@ def download(repo: str, out: Path, revision: str | None = None, allow: list[str]
         snapshot_download(repo_id=repo, revision=revision, local_dir=out, allow_patterns=allow)
     except LocalEntryNotFoundError:
         raise SystemExit(f"error: cannot reach the Hugging Face Hub to download {repo}. Either connect and run "
-                         f"this again, or pass a model directory you have (config.json, tokenizer files, "
-                         f"*.safetensors) with --model-dir. For a weight-free trial from a local config.json, "
-                         f"`python weights/download.py --random-init --config CONFIG --out DIR`.") from None
+                         f"this again, or give train.py / evaluate.py a model directory you have (config.json, "
+                         f"tokenizer files, *.safetensors) with --model-dir. For a weight-free trial from a local "
+                         f"config.json: `python weights/download.py --random-init --config CONFIG --out DIR`.") \
+            from None
     except HfHubHTTPError as e:
         raise SystemExit(f"error: the Hub refused {repo!r} ({e}). Check the repo name, or log in with "
                          f"`huggingface-cli login` for a gated model.") from None
@@ -110,6 +111,9 @@ def resolve_model_dir(model_dir: str | Path | None) -> Path:
     return DEFAULT_DIR
 
 
+RANDOM_INIT_ONLY = ("config", "tokenizer_dir", "seed", "dtype", "device", "overwrite")  # main's flags
+
+
 def main(argv: list[str] | None = None) -> None:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repo", default=DEFAULT_REPO, help=f"Hub repository to download (default {DEFAULT_REPO})")
@@ -131,10 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="with --random-init: replace an --out that already holds files (they are deleted)")
     args = p.parse_args(argv)
+    given = [f"--{d.replace('_', '-')}" for d in RANDOM_INIT_ONLY if getattr(args, d) != p.get_default(d)]
+    if given and not args.random_init:
+        p.error(f"{', '.join(given)}: for --random-init only; a download takes --repo, --revision and --out (and "
+                f"resumes into --out, keeping the files already there)")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available here; use --device cpu")
-    if args.overwrite and not args.random_init:
-        p.error("--overwrite is for --random-init; a download resumes into --out, keeping the files already there")
     if args.random_init:
         if args.out is None:
             p.error(f"--random-init needs --out DIR: {DEFAULT_DIR} is for the downloaded weights")

@@ -22,9 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.decode_attention import check_decode_inputs, check_new_token_inputs
+from minigrpo.engine.config import BACKENDS  # noqa: F401  (the names `backend` takes)
 from minigrpo.model.qwen2 import apply_rope
-
-BACKENDS = ("eager", "sdpa", "triton")
 
 
 def decode_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,

@@ -5,11 +5,14 @@ layers. When the policy's parameters have the engine's dtype and device (`--weig
 `load_from` makes each one a view of the slice that holds it, so the optimizer updates the engine in
 place; otherwise it copies after each update. The buffers never move, so captured CUDA graphs stay valid.
 
-Shape legend: B batch slots, T prompt length, C hidden, H query heads, K kv heads, D head dim, F MLP width,
-V vocabulary, L layers, M block-table width, S page size, W output width (max_seq_len + 1, the last column scratch).
+Shape legend: B batch slots (in a prefill: prompts), T prompt length, C hidden, H query heads, K kv heads, D head
+dim, F MLP width, V vocabulary, L layers, M block-table width, S page size, W output width (max_seq_len + 1, the
+last column scratch).
 """
 
 from __future__ import annotations
+
+from dataclasses import fields
 
 import torch
 import torch.nn as nn
@@ -47,7 +50,10 @@ class DecodeModel(nn.Module):
     def load_from(self, model: Qwen2ForCausalLM, share: bool = True) -> None:
         """Take the policy's weights: shared where possible (module doc), else copied (and cast), in place.
         A parameter already shared is skipped; one replaced since is copied in and shared again."""
-        assert model.config == self.cfg, "policy and engine were built for different configs"
+        if model.config != self.cfg:
+            diff = [f.name for f in fields(self.cfg) if getattr(model.config, f.name) != getattr(self.cfg, f.name)]
+            raise ValueError(f"the policy's config differs from the engine's in {diff}; build the engine from the "
+                             f"policy's config")
         pairs = self._views(model)
         share = share and all(type(p.data) is torch.Tensor and (p.dtype, p.device) == (v.dtype, v.device)
                               for p, v in pairs)  # a sharded (DTensor) parameter has no full tensor to view

@@ -11,13 +11,15 @@ masks). At each sync the host reads the done mask (one step stale, so the GPU ne
 finished sequences' pages and compacts the survivors into the smallest bucket that holds them.
 `EngineConfig` sets the graph boundaries; `minigrpo/engine/runner.py` is where they are drawn.
 
-Shape legend: N sequences in a rollout (prompts x G), B bucket (batch slots), M block-table width, W output width.
+Shape legend: N sequences in a rollout (prompts x G), B bucket (batch slots), M block-table width, W output width,
+T padded prompt length, V vocabulary; "groups" are the prompts being prefilled, "rows" their G samples' slots.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -40,16 +42,10 @@ class Engine:
             raise ValueError("cuda_graphs=True needs a CUDA device; use cuda_graphs=False on the CPU")
         self.model_cfg, self.cfg, self.device = model_cfg, cfg, device
         self.model = DecodeModel(model_cfg, dtype, device, max_positions=cfg.max_seq_len)
-        table_width = math.ceil(cfg.max_seq_len / cfg.page_size)
-        pages = cfg.kv_pages
-        if pages is None:  # every slot at max length; on CUDA at most kv_memory_fraction of the free memory
-            pages = 1 + cfg.max_batch * table_width
-            if device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                per_page = KVCache.bytes_per_page(model_cfg, cfg.page_size, dtype)
-                pages = max(2, min(pages, int(free * cfg.kv_memory_fraction) // per_page))
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        pages = cfg.kv_page_count(free, KVCache.bytes_per_page(model_cfg, cfg.page_size, dtype))
         self.kv = KVCache(model_cfg, pages, cfg.page_size, dtype, device)
-        self.state = SlotState(cfg.max_batch, table_width, cfg.max_seq_len + 1, device)
+        self.state = SlotState(cfg.max_batch, cfg.table_width, cfg.max_seq_len + 1, device)
         self.runner = StepRunner(self.model, self.kv, self.state, cfg)
         # marks the done mask's copy to the host each round (on the CPU the copy is synchronous)
         self._done_copied = torch.cuda.Event() if device.type == "cuda" else None
@@ -59,12 +55,18 @@ class Engine:
         self.model.load_from(model)
 
     def _pages_for(self, prompt_len: int, G: int, max_new: int) -> int:
-        S = self.cfg.page_size
-        return prompt_len // S + G * math.ceil((prompt_len % S + max_new) / S)
+        """Pages one group holds at most: its shared prompt pages once, each sample's tail G times."""
+        shared, tail = page_split(prompt_len, max_new, self.cfg.page_size)
+        return shared + G * tail
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], samples_per_prompt: int, max_new_tokens: int,
-                 params: SamplingParams, stop_ids=(), seeds: list[int] | None = None) -> Rollout:
+                 params: SamplingParams, stop_ids: Sequence[int | Sequence[int]] = (),
+                 seeds: list[int] | None = None) -> Rollout:
+        """G = samples_per_prompt completions of up to max_new_tokens per prompt, group-major (a prompt's samples
+        adjacent). A completion ends at its first stop: one of up to MAX_STOPS token ids or token sequences
+        of up to STOP_LEN tokens (the stop is kept). seeds: one per completion (default 0, 1, ..., N-1); a
+        completion is a pure function of (weights, prompt, seed), whatever else shares its batch."""
         G, st = samples_per_prompt, self.state
         N = len(prompts) * G
         rows = self._check_request(prompts, G, max_new_tokens, stop_ids, seeds)
@@ -149,29 +151,22 @@ class Engine:
             raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the engine's "
                              f"max_seq_len {self.cfg.max_seq_len}; raise EngineConfig.max_seq_len")
         vocab = self.model_cfg.vocab_size
-        rows = ([(s,) if isinstance(s, int) else tuple(s) for s in stop_ids]
-                if isinstance(stop_ids, (list, tuple)) and all(isinstance(s, (int, list, tuple)) for s in stop_ids)
-                else None)
-        if rows is None or len(rows) > MAX_STOPS or not all(
-                0 < len(r) <= STOP_LEN and all(isinstance(t, int) and 0 <= t < vocab for t in r) for r in rows):
-            raise ValueError(f"stop_ids must be a tuple of at most {MAX_STOPS} token ids or token sequences of 1 to "
-                             f"{STOP_LEN} tokens, ids in [0, {vocab}); got {stop_ids!r}")
+        rows = _stop_rows(stop_ids, vocab)
         if seeds is not None and len(seeds) != len(prompts) * G:
             raise ValueError(f"need one seed per sequence ({len(prompts) * G}), got {len(seeds)}")
         if any(t < 0 or t >= vocab for p in prompts for t in p):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        need, longest_group = max((self._pages_for(len(p), G, max_new_tokens), len(p)) for p in prompts)
+        need, prompt_len = max((self._pages_for(len(p), G, max_new_tokens), len(p)) for p in prompts)
         if need > self.kv.capacity:  # checked now, not after decoding every group that does fit
-            raise OutOfPages(f"one prompt group needs {need} KV pages (prompt {longest_group} tokens, {G} samples x "
+            raise OutOfPages(f"one prompt group needs {need} KV pages (prompt {prompt_len} tokens, {G} samples x "
                              f"{max_new_tokens} new) but the cache has {self.kv.capacity}; raise "
                              f"EngineConfig.kv_pages / kv_memory_fraction or lower max_new_tokens")
         return rows
 
     def _reserve(self, group: int, prompt_len: int, G: int, max_new: int) -> dict[int, list[int]]:
         """Pages for one group: the full prompt pages shared G ways, then each sample's private tail."""
-        S = self.cfg.page_size
-        shared = self.kv.alloc(prompt_len // S, holders=G)
-        tail = math.ceil((prompt_len % S + max_new) / S)
+        n_shared, tail = page_split(prompt_len, max_new, self.cfg.page_size)
+        shared = self.kv.alloc(n_shared, holders=G)
         return {group * G + j: shared + self.kv.alloc(tail) for j in range(G)}
 
     def _prefill(self, groups, prompts, G, max_new, params, seeds, seq_pages, slot_seq) -> None:
@@ -205,3 +200,23 @@ class Engine:
         st.out_logp[rows, 0] = first_logp
         st.done[rows] = ends_with_stop(st.out_tok[rows], st.ctr[rows], st.stops) | (max_new <= 1)
         slot_seq.extend(seq_ids)
+
+
+def _stop_rows(stop_ids, vocab: int) -> list[tuple[int, ...]]:
+    """stop_ids -> one token tuple per stop (an id is a 1-token sequence), or a one-line error."""
+    def as_row(s):
+        return (s,) if isinstance(s, int) else tuple(s) if isinstance(s, (list, tuple)) else ()
+
+    def valid(r):
+        return 0 < len(r) <= STOP_LEN and all(isinstance(t, int) and 0 <= t < vocab for t in r)
+    rows = [as_row(s) for s in stop_ids] if isinstance(stop_ids, (list, tuple)) else None
+    if rows is None or len(rows) > MAX_STOPS or not all(map(valid, rows)):
+        raise ValueError(f"stop_ids must be a tuple of at most {MAX_STOPS} token ids or token sequences of 1 to "
+                         f"{STOP_LEN} tokens, ids in [0, {vocab}); got {stop_ids!r}")
+    return rows
+
+
+def page_split(prompt_len: int, max_new: int, S: int) -> tuple[int, int]:
+    """-> (the prompt's full pages, shared by a group's samples; each sample's own pages): the partial last
+    prompt page (copied to each sample) and room for max_new tokens after it."""
+    return prompt_len // S, math.ceil((prompt_len % S + max_new) / S)

@@ -14,10 +14,11 @@ import os
 
 import torch
 
+from minigrpo.engine.config import BACKENDS, EngineConfig
 from minigrpo.model.generate import Rollout, generate
 from minigrpo.model.qwen2 import Qwen2ForCausalLM
 
-ATTN_BACKENDS = ("reference", "eager", "sdpa", "triton")
+ATTN_BACKENDS = ("reference", *BACKENDS)
 
 
 class ReferenceBackend:
@@ -64,7 +65,6 @@ def make_backend(attn: str, model: Qwen2ForCausalLM, *, pad_id: int, compile: st
     if cuda_graphs and not on_cuda:
         raise ValueError("--cuda-graphs captures CUDA graphs, which need a CUDA GPU; drop it on the CPU")
     try:  # imported here so the trainer runs (with --attn reference) wherever the engine cannot
-        from minigrpo.engine.config import EngineConfig
         from minigrpo.engine.engine import Engine
     except ImportError as e:
         raise RuntimeError(f"--attn {attn} needs the fast engine (minigrpo/engine/engine.py), which failed to import "

@@ -26,7 +26,8 @@ MAX_STOPS, STOP_LEN = 16, 4  # stop ids and stop token sequences of up to STOP_L
 
 class SlotState:
     """Per-slot decode state, preallocated at full capacity; a bucket of size B uses rows [0, B)."""
-    ROWS = ("tok", "pos", "ctr", "seed", "limit", "done", "block_table", "out_tok", "out_logp")  # (B, ...) each
+    ROWS = ("tok", "pos", "ctr", "seed", "limit", "done", "block_table", "out_tok", "out_logp")  # (B, ...) each,
+    # named as `decode_step` names them
 
     def __init__(self, capacity: int, table_width: int, out_width: int, device):
         def z(*shape, dtype=torch.int64):
@@ -40,9 +41,10 @@ class SlotState:
         # Host copy of `done`, pinned so the device-to-host copy can run behind the next step.
         self.done_host = torch.ones(capacity, dtype=torch.bool, pin_memory=torch.device(device).type == "cuda")
 
-    def args(self, B: int) -> tuple:
-        """The step's inputs for bucket B: views (the addresses CUDA graphs capture), batch rows first."""
-        return (*(getattr(self, name)[:B] for name in self.ROWS), self.stops)
+    def step_args(self, B: int) -> dict[str, torch.Tensor]:
+        """The step's state inputs for bucket B, by `decode_step`'s argument names: views of rows [0, B) (the
+        addresses CUDA graphs capture), and the stops."""
+        return {**{name: getattr(self, name)[:B] for name in self.ROWS}, "stops": self.stops}
 
     def compact(self, keep: torch.Tensor, n_before: int) -> None:
         """Move rows `keep` to the front; rows after them become empty (done) slots."""
@@ -80,7 +82,7 @@ class StepRunner:
         self._pool = None          # one memory pool shared by all captured graphs
 
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """DecodeModel.prefill into the engine's pages -> last-token logits (groups, V). Eagerly ~40 small
+        """DecodeModel.prefill into the engine's pages -> last-token logits (groups, V). Eagerly many small
         launches per layer, bound by the host; with cuda_graphs one replay per padded shape of that same eager
         code. Not compiled: Inductor's fused norms reduce in another order, and the prefill alone picks each
         sequence's first token, so a bf16 near tie would depend on the graph mode."""
@@ -106,11 +108,12 @@ class StepRunner:
 
     def step(self, B: int, params: SamplingParams):
         """One decode step on slots [0, B), compiled if configured, as a callable of no arguments."""
-        cfg, kv, args = self.cfg, self.kv, self.state.args(B)
+        cfg, kv, args = self.cfg, self.kv, self.state.step_args(B)
         if cfg.compile == "step":  # the batch dimension symbolic: one compiled step serves every bucket
-            for t in args[:len(SlotState.ROWS)]:
-                torch._dynamo.maybe_mark_dynamic(t, 0)  # `maybe`: a bucket of 1 gets a graph of its own
-        return lambda: self._step(self.model, cfg.attn, params, *args, kv.k, kv.v, cfg.sampler, self.num_splits)
+            for name in SlotState.ROWS:
+                torch._dynamo.maybe_mark_dynamic(args[name], 0)  # `maybe`: a bucket of 1 gets a graph of its own
+        return lambda: self._step(self.model, cfg.attn, params, **args, k_pools=kv.k, v_pools=kv.v,
+                                  sampler=cfg.sampler, num_splits=self.num_splits)
 
     def run(self, B: int, params: SamplingParams, n_steps: int) -> None:
         key = (B, params)
@@ -123,13 +126,12 @@ class StepRunner:
 
     def _capture(self, step) -> torch.cuda.CUDAGraph:
         """Capture one step with every slot marked done, so the warm-up steps store nothing and move no
-        live sequence; the live state is restored after."""
-        saved = {n: getattr(self.state, n).clone() for n in ("tok", "pos", "ctr", "done")}
+        live sequence (a done slot's state stays as it is, decode.advance); the done mask is restored after."""
+        done = self.state.done.clone()
         self.state.done.fill_(True)
         graph = capture_graph(step, self._pool)
         self._pool = graph.pool()
-        for n, t in saved.items():
-            getattr(self.state, n).copy_(t)
+        self.state.done.copy_(done)
         return graph
 
 

@@ -19,14 +19,15 @@ from minigrpo.model.sampling import GREEDY, SamplingParams, sample
 @dataclass
 class Rollout:
     """What any generator returns: one completion per (prompt, sample), group-major (a prompt's samples adjacent)."""
-    tokens: list[list[int]]      # completion ids, ending with the first stop id when one was drawn
+    tokens: list[list[int]]      # completion ids, ending with the first stop (an id, or the engine's sequences)
     logprobs: list[list[float]]  # log-prob of each token under the distribution it was sampled from
 
 
 @torch.no_grad()
 def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: int, *, params: SamplingParams = GREEDY,
              stop_ids: tuple[int, ...] = (), pad_id: int = 0, seeds: list[int] | None = None) -> Rollout:
-    """A completion of up to max_new_tokens per prompt; for G samples of a prompt, pass it G times, G seeds."""
+    """A completion of up to max_new_tokens per prompt; for G samples of a prompt, pass it G times, G seeds
+    (default 0, 1, ..., B-1, as the engine's)."""
     device = next(model.parameters()).device
     rows = [torch.tensor(p, dtype=torch.long) for p in prompts]
     ids = pad_sequence(rows, batch_first=True, padding_value=pad_id, padding_side="left").to(device)  # (B, T)
@@ -34,7 +35,7 @@ def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: 
     if len({len(p) for p in prompts}) == 1:
         mask = None  # nothing is padded: the fused causal attention kernels apply (what transformers runs)
     B, T = ids.shape
-    seeds_t = torch.tensor(seeds if seeds is not None else [0] * B, dtype=torch.long, device=device)
+    seeds_t = torch.tensor(seeds if seeds is not None else range(B), dtype=torch.long, device=device)
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     out_logp = torch.empty((B, 0), dtype=torch.float32, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)

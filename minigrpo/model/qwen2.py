@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minigrpo.model.config import ModelConfig
 
-# SDPA's kernels less cuDNN's, whose plan for each new shape costs ~0.8 ms of host time a call (bench/NOTES.md)
+# SDPA's kernels less cuDNN's, which builds an execution plan for each new shape on the host (bench/NOTES.md)
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -108,8 +108,17 @@ def main(argv: list[str] | None = None) -> None:
         backend = make_backend(attn, model, pad_id=tokenizer.pad_id, max_seq_len=prompt_tokens + args.max_new_tokens)
     except (OSError, ValueError, RuntimeError, ImportError) as e:
         raise SystemExit(f"error: {e}") from None
-    res = evaluate(backend, task, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
-                   samples=args.eval_samples, temperature=args.eval_temperature, seed=args.seed, dist=dist)
+    try:
+        res = evaluate(backend, task, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                       limit=args.limit, samples=args.eval_samples, temperature=args.eval_temperature, seed=args.seed,
+                       dist=dist)
+    except KeyboardInterrupt:
+        distributed.shutdown(dist, together=False)
+        raise SystemExit("interrupted: nothing was written") from None
+    except torch.OutOfMemoryError:
+        distributed.shutdown(dist, together=False)
+        raise SystemExit(f"error: out of GPU memory at --batch-size {args.batch_size}; lower --batch-size (or "
+                         f"--max-new-tokens)") from None
     failed = None
     if dist.is_main:
         k = args.eval_samples

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minigrpo.engine.config import EngineConfig
 from minigrpo.engine.rollout import ATTN_BACKENDS, make_backend
 from minigrpo.rl import distributed
 from minigrpo.rl.config import PARALLEL, WEIGHT_DTYPES, TrainConfig
@@ -48,6 +49,7 @@ from minigrpo.rl.memory import estimate, fewest_recomputed, leaner
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import latest_name, remove_stale_temps
 from minigrpo.run.cli import OneLineParser, parse_device
+from minigrpo.run.metrics import DamagedLog
 from minigrpo.run.run_dir import check_out, locked_out, move_aside
 from minigrpo.run.stopping import Interrupted, NonFiniteError, nonfinite
 from minigrpo.tasks.task import add_task_flags, prompt_budget
@@ -172,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(fused elementwise ops, fewer kernel launches). Batch and length dimensions are "
                         "dynamic: one graph per grad mode, compiled in the first step (default: on with CUDA)")
     g.add_argument("--logprob-chunk-size", type=int, default=D.logprob_chunk_size,
-                   help="tokens per LM-head chunk when computing log-probs (memory: ~2 x chunk x vocab x 2 bytes on "
-                        "CUDA); 0 = full logits, the naive way (to compare memory)")
+                   help="tokens per LM-head chunk when computing log-probs (memory: up to chunk x vocab x 8 bytes, "
+                        "minigrpo/rl/memory.py); 0 = full logits, the naive way (to compare memory)")
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                    default=D.activation_checkpointing,
                    help="recompute each decoder layer in backward: far less activation memory, one more forward")
@@ -225,30 +227,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.attn = args.attn or ("triton" if device.type == "cuda" else "reference")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         parser.error(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
+    same = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name in vars(args)}  # flag = field
     try:
-        args.cfg = TrainConfig(
-            prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt,
-            max_new_tokens=args.max_new_tokens, inner_epochs=args.inner_epochs, minibatch_size=args.minibatch_size,
-            micro_batch_size=args.micro_batch_size, score_batch_size=args.score_batch_size, lr=args.lr,
-            betas=tuple(args.betas),
-            weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps,
-            lr_schedule=args.lr_schedule, min_lr_ratio=args.min_lr_ratio, eps=args.eps, eps_high=args.eps_high,
-            kl_beta=args.beta, temperature=args.temperature, top_p=args.top_p, tis=args.tis, tis_cap=args.tis_cap,
-            steps=args.steps,
-            eval_every=args.eval_every, eval_limit=args.eval_limit, eval_batch_size=args.eval_batch_size,
-            eval_max_new_tokens=args.eval_max_new_tokens, eval_samples=args.eval_samples,
-            eval_temperature=args.eval_temperature, save_every=args.save_every,
-            keep_checkpoints=args.keep_checkpoints, sample_every=args.sample_every, num_samples=args.num_samples,
-            seed=args.seed, logprob_chunk_size=args.logprob_chunk_size,
-            activation_checkpointing=args.activation_checkpointing,
-            recompute_layers=None if args.recompute_layers == "auto" else args.recompute_layers,
-            offload_reference=args.offload_reference,
-            weights=args.weights, parallel=args.parallel,
-            task=(args.preset if args.preset != "gsm8k"
-                  else " ".join(filter(None, (args.task, args.template, args.reward)))),
+        args.cfg = TrainConfig(**{
+            **same, "kl_beta": args.beta, "betas": tuple(args.betas),
+            "recompute_layers": None if args.recompute_layers == "auto" else args.recompute_layers,  # settled later
+            "task": (args.preset if args.preset != "gsm8k"
+                     else " ".join(filter(None, (args.task, args.template, args.reward)))),
             # the reference generator runs the policy itself at every length: compiled, a recompile per token
-            compile_policy=(args.compile_policy if args.compile_policy is not None
-                            else device.type == "cuda" and args.attn != "reference"))
+            "compile_policy": (args.compile_policy if args.compile_policy is not None
+                               else device.type == "cuda" and args.attn != "reference")})
     except ValueError as e:
         parser.error(flag_names(str(e), parser))
     if args.recompute_layers == "auto" and not args.activation_checkpointing:
@@ -274,11 +262,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def flag_of(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each TrainConfig field (and other option) -> the long flag that sets it (--X, not --no-X)."""
+    flags = {a.dest: next(o for o in a.option_strings if o.startswith("--"))
+             for a in parser._actions if a.option_strings}
+    return {**flags, "kl_beta": "--beta"}
+
+
 def flag_names(message: str, parser: argparse.ArgumentParser) -> str:
     """`message` with TrainConfig's field names replaced by the flags that set them (kl_beta -> --beta)."""
-    flags = {a.dest: a.option_strings[-2 if isinstance(a, argparse.BooleanOptionalAction) else -1]  # not --no-X
-             for a in parser._actions if a.option_strings}
-    flags["kl_beta"] = "--beta"
+    flags = flag_of(parser)
     names = sorted((f.name for f in fields(TrainConfig) if f.name in flags), key=len, reverse=True)
     return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: flags[m.group()], message)
 
@@ -360,7 +353,6 @@ def memory_estimator(args, model_cfg, train, test, world: int = 1, capacity: int
     prompt_tokens = longest_prompt or prompt_tokens
     engine = None
     if args.attn != "reference":
-        from minigrpo.engine.config import EngineConfig
         engine = EngineConfig(**shape)
     return lambda cfg: estimate(model_cfg, cfg, prompt_tokens=prompt_tokens, engine=engine, world=world,
                                 cuda=torch.device(args.device).type == "cuda", capacity=capacity)
@@ -408,8 +400,7 @@ def check_memory(args, model_cfg, train, test, dist: distributed.Dist) -> None:
 
 def as_flags(change: dict) -> str:
     """TrainConfig fields -> the command-line flags that set them: {"weights": "bf16"} -> "--weights bf16"."""
-    flags = {a.dest: next(o for o in a.option_strings if o.startswith("--"))
-             for a in build_parser()._actions if a.option_strings}
+    flags = flag_of(build_parser())
     return " ".join(flags[k] if v is True else f"{flags[k]} {v}" for k, v in change.items())
 
 
@@ -457,7 +448,8 @@ def _train(args, dist, out: Path, argv: list[str], locks: contextlib.ExitStack) 
         model, tokenizer, train, test, model_dir = (build_qa(args, dist) if args.preset == "gsm8k"
                                                     else build_smoke(args))
         if nonfinite(model):
-            raise ValueError(f"the weights in {model_dir} hold NaN or inf; train from a sound model")
+            raise ValueError(f"the weights in {model_dir or 'the initial model'} hold NaN or inf; train from a "
+                             f"sound model")
         try:
             args.cfg.recomputed_layers(model.config.num_hidden_layers)  # the one setting checked against the model
         except ValueError as e:
@@ -483,6 +475,9 @@ def _train(args, dist, out: Path, argv: list[str], locks: contextlib.ExitStack) 
             print(f"{signal.Signals(e.signum).name} at step {e.step}: saved {e.checkpoint}; resume with: "
                   f"{resume_command(argv)}", file=sys.stderr)
         return 128 + e.signum
+    except DamagedLog as e:  # found on resuming, before any step
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except NonFiniteError as e:
         if dist.is_main:
             print(f"error: {e}; this step was not saved, {_last_checkpoint(out)}. Lower --lr or --max-grad-norm, "

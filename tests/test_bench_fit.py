@@ -30,7 +30,8 @@ def test_fit_lowers_the_loss():
     torch.manual_seed(0)
     model = random_model(tiny_config(vocab=64))
     toy = [torch.randint(1, 64, (6,)).tolist() * 5 for _ in range(4)]  # repeating: learnable in a few steps
-    losses = fit(model, toy, pad_id=0, seconds=60, steps=40, batch_size=4, lr=3e-3, warmup=4, seed=0, log_every=10)
+    losses = fit(model, toy, pad_id=0, seconds=float("inf"), steps=40, batch_size=4, lr=3e-3, warmup=4, seed=0,
+                 log_every=10)
     assert losses[-1][0] == 40 and not model.training
     assert losses[-1][1] < 0.7 * losses[0][1], losses
 
@@ -43,7 +44,7 @@ def test_memorised_sequences_are_learnt_by_heart():
     losses = {}
     for memorize in ([], [target]):
         model = random_model(tiny_config(vocab=64))
-        fit(model, noise, pad_id=0, seconds=60, steps=60, batch_size=4, lr=1e-2, warmup=4, seed=0,
+        fit(model, noise, pad_id=0, seconds=float("inf"), steps=60, batch_size=4, lr=1e-2, warmup=4, seed=0,
             memorize=memorize, log_every=1000)
         ids, tgt = batch([target], pad_id=0, device="cpu")
         with torch.no_grad():

@@ -112,6 +112,14 @@ def test_empty_question_is_refused_at_load(tmp_path, question):
         load_jsonl(path)
 
 
+def test_json_number_answers_are_read_positionally(tmp_path):
+    # json.loads gives 1e-05 and 1e+16 as floats; their str() has an exponent, which no answer is written with
+    path = _write(tmp_path, [json.dumps({"question": "Q", "answer": a}) for a in (0.00001, 1e16, 72, 2.5)])
+    examples = load_jsonl(path, final="")
+    assert [e.ground_truth for e in examples] == ["0.00001", "10000000000000000", "72", "2.5"]
+    assert [normalize_number(e.ground_truth) for e in examples] == [0.00001, 1e16, 72.0, 2.5]
+
+
 def test_non_numeric_answer_is_refused_at_load(tmp_path):
     path = _write(tmp_path, [_rec(answer="so\n#### four")])
     with pytest.raises(ValueError, match=r"data\.jsonl:1: the final answer 'four' is not a number.*--reward exact"):

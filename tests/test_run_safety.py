@@ -22,7 +22,7 @@ from minigrpo.engine.rollout import ReferenceBackend
 from minigrpo.rl.config import TrainConfig
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import LATEST, load_checkpoint, resolve_checkpoint, save_checkpoint
-from minigrpo.run.metrics import LEGEND, MetricsLogger
+from minigrpo.run.metrics import LEGEND, DamagedLog, MetricsLogger
 from minigrpo.run.run_dir import check_out
 from minigrpo.run.stopping import NonFiniteError
 from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
@@ -125,6 +125,32 @@ def test_resume_drops_a_record_that_a_crash_cut_short(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "rew')
     MetricsLogger(tmp_path, resume_step=3, echo=False)
     assert steps(tmp_path) == [1, 2, 3]
+
+
+def test_resume_over_a_damaged_record_names_its_line_and_keeps_the_file(tmp_path):
+    text = '{"step": 1}\n{"step": 2, "rew\n{"step": 3}\n'  # a complete line that is not JSON: not a crash's cut
+    (tmp_path / "metrics.jsonl").write_text(text)
+    with pytest.raises(DamagedLog, match=r"metrics.jsonl:2 is not a JSON record; repair or remove that line"):
+        MetricsLogger(tmp_path, resume_step=3, echo=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == text
+
+
+def test_a_checkpoint_is_on_the_disk_before_its_rename_publishes_it(tmp_path, monkeypatch):
+    # A rename only survives a power loss when the data it publishes was flushed first: every file of the
+    # checkpoint (and `latest`'s new text) is fsynced before the os.replace that makes it visible.
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def recorded_replace(src, dst):  # what the rename publishes: the folder (and all in it) or the file
+        events.append(("replace", {str(p) for p in [Path(src), *Path(src).rglob("*")]}))
+        return replace(src, dst)
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+                        or fsync(fd))
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    save_checkpoint(tmp_path, 1, tiny_policy(13, seed=0), {})
+    replaces = [i for i, (kind, _) in enumerate(events) if kind == "replace"]
+    assert len(replaces) == 3  # the model folder, the checkpoint folder, latest
+    for i in replaces:
+        assert events[i][1] <= {p for kind, p in events[:i] if kind == "fsync"}, events[i][1]
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -2,9 +2,11 @@
 
 import copy
 import json
+import math
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from conftest import QWEN_DIR, random_model, tiny_config
@@ -16,7 +18,7 @@ from minigrpo.rl.config import WEIGHT_DTYPES, TrainConfig, lr_factor
 from minigrpo.rl.data import EpochSampler
 from minigrpo.rl.evaluate import evaluate
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
-from minigrpo.rl.trainer import Trainer
+from minigrpo.rl.trainer import _SHUFFLE, Trainer
 from minigrpo.run.checkpoints import STATE_FILE
 from minigrpo.run.metrics import MetricsLogger, PhaseTimer, compile_seconds
 from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
@@ -62,15 +64,17 @@ class FakeTask:
 
 
 class ScriptedBackend:
-    """Returns fixed completions per prompt (keyed by the prompt's first token); counts weight syncs."""
+    """Returns fixed completions per prompt (keyed by the prompt's first token), each token's sampling log-prob
+    rollout_logp(row, position) (default -1); counts weight syncs."""
 
-    def __init__(self, script):
+    def __init__(self, script, rollout_logp=None):
         self.script, self.syncs = script, 0
+        self.rollout_logp = rollout_logp or (lambda r, t: -1.0)
 
     def generate(self, prompts, samples_per_prompt, max_new_tokens, params, stop_ids, seeds):
         assert len(seeds) == len(prompts) * samples_per_prompt
         tokens = [list(self.script[p[0]][j]) for p in prompts for j in range(samples_per_prompt)]
-        return Rollout(tokens, [[-1.0] * len(t) for t in tokens])
+        return Rollout(tokens, [[self.rollout_logp(r, t) for t in range(len(row))] for r, row in enumerate(tokens)])
 
     def load_weights(self, model):
         self.syncs += 1
@@ -178,10 +182,10 @@ def test_trainer_logprobs_equal_the_rollouts_sampling_logprobs(temperature):
 # ------------------------------------------------------------------------------------------ zero-advantage groups
 
 
-def _trainer(model, script, prompts, tmp_path, **cfg):
+def _trainer(model, script, prompts, tmp_path, rollout_logp=None, **cfg):
     cfg = TrainConfig(**{"prompts_per_step": len(prompts), "samples_per_prompt": 4, "max_new_tokens": 6,
                          "eval_every": 0, "sample_every": 0, "lr": 1e-2, **cfg})
-    backend = ScriptedBackend(script)
+    backend = ScriptedBackend(script, rollout_logp)
     return Trainer(cfg, model, FakeTokenizer(), FakeTask(prompts), backend, tmp_path, echo=False), backend
 
 
@@ -266,6 +270,82 @@ def _full_batch_gradient(policy, trainer, prompts, ref=None, beta=0.0):
     (loss / (len(advs) * L)).backward()
     mean_kl = torch.cat(kls).mean().item() if kls else None
     return {n: p.grad for n, p in policy.named_parameters()}, mean_kl
+
+
+def test_each_minibatch_step_clips_ratios_and_gradient_as_an_independent_computation_does(tmp_path):
+    # Two epochs of two minibatches (4 optimizer steps). Each step's gradient must be that of its own minibatch's
+    # clipped surrogate at the weights of that moment, against the old policy (the step's starting weights),
+    # normalised by M x L (the minibatch's rows, not all N), each token weighted by min(pi_old / pi_rollout, 2)
+    # with per-token sampling log-probs that the cap truncates, then clipped to max_grad_norm. Recomputed here
+    # row by row from full logits; fp32 throughout, so only rounding separates the two (tolerances as above).
+    model = random_model(tiny_config(tied=False, vocab=32), seed=3, std=0.1).train()
+    initial = copy.deepcopy(model)
+    script = {4: [[10, STOP], [11, 12, STOP], [10, 13, 14, 15, 16, 17], [12, STOP]],
+              6: [[13, STOP], [10, 10, STOP], [14], [15, 16, STOP]]}
+    prompts = [[4, 5], [6]]
+    rollout_logp = [-5.0, -1.0, -3.0, -4.2, -0.5]  # pi_old ~ 1/32: weights ~4.6 and ~2.1 are capped at 2, ~0.6 not
+
+    def sampled(r, t):
+        return rollout_logp[(3 * r + t) % 5]
+    max_norm, eps = 1e-3, 0.2
+    trainer, _ = _trainer(model, script, prompts, tmp_path, rollout_logp=sampled, minibatch_size=4, inner_epochs=2,
+                          micro_batch_size=2, eps=eps, lr=1e-3, max_grad_norm=max_norm)
+    steps, real = [], trainer.optimizer.step
+
+    def capture(*args, **kwargs):  # the weights each optimizer step starts from, and the gradient it steps on
+        steps.append(({n: p.detach().clone() for n, p in model.named_parameters()},
+                      {n: p.grad.clone() for n, p in model.named_parameters()}))
+        return real(*args, **kwargs)
+    trainer.optimizer.step = capture
+    m = trainer.step()
+    assert m["optimizer_steps"] == len(steps) == 4 and m["clip_frac"] > 0  # the ratio clip binds somewhere
+
+    G, L, M, N = 4, 6, 4, 8
+    r = trainer.last_rollout
+    rewards = torch.tensor(r["rewards"]).view(-1, G)
+    advs = (rewards - rewards.mean(1, keepdim=True)).view(-1)                       # (N,)
+    norms = []
+    for k, (weights, got) in enumerate(steps):
+        epoch, j = divmod(k, N // M)
+        order = np.random.default_rng([0, _SHUFFLE, 1, epoch]).permutation(N)       # seed 0, step 1
+        policy = copy.deepcopy(initial)
+        policy.load_state_dict(weights)
+        loss = 0.0
+        for i in order[j * M:(j + 1) * M].tolist():
+            prompt, completion = prompts[r["examples"][i // G]], r["completions"][i]
+            logp = _row_logprobs(policy, prompt, completion)                        # (c,)
+            old = _row_logprobs(initial, prompt, completion).detach()               # (c,)
+            weight = torch.exp(old - torch.tensor([sampled(i, t) for t in range(len(completion))])).clamp(max=2.0)
+            ratio = torch.exp(logp - old)
+            loss = loss - (weight * torch.minimum(ratio * advs[i], ratio.clamp(1 - eps, 1 + eps) * advs[i])).sum()
+        (loss / (M * L)).backward()
+        want = {n: p.grad for n, p in policy.named_parameters()}
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in want.values()]))
+        assert norm > max_norm  # so the gradient clip binds at every step
+        norms.append(norm.item())
+        for name, g in want.items():
+            torch.testing.assert_close(got[name], g * (max_norm / (norm + 1e-6)), atol=1e-9, rtol=1e-4, msg=name)
+    assert m["grad_norm"] == pytest.approx(sum(norms) / len(norms), rel=1e-4)  # logged before the clip
+
+
+def test_a_nonfinite_gradient_skips_its_optimizer_step_only(tmp_path):
+    # An inf in the first minibatch's gradient (an overflow in the backward, with a finite loss): that step is
+    # not taken, the weights and AdamW state stay finite, and the next minibatch still steps.
+    model = random_model(tiny_config(tied=False, vocab=32), seed=3, std=0.1).train()
+    script = {4: [[10, STOP], [11, 12, STOP], [10, 13, 14, 15, 16, 17], [12, STOP]],
+              6: [[13, STOP], [10, 10, STOP], [14], [15, 16, STOP]]}
+    trainer, _ = _trainer(model, script, [[4, 5], [6]], tmp_path, minibatch_size=4, micro_batch_size=4)
+    calls = []
+
+    def overflow_once(grad):
+        calls.append(1)
+        return grad * float("inf") if len(calls) == 1 else grad
+    model.lm_head.weight.register_hook(overflow_once)
+    m = trainer.step()
+    assert len(calls) == 2  # one backward per minibatch
+    assert m["optimizer_steps"] == 1 and m["nonfinite_grad_steps"] == 1 and math.isfinite(m["grad_norm"])
+    assert math.isfinite(m["loss"]) and all(p.isfinite().all() for p in model.parameters())
+    assert all(s["exp_avg"].isfinite().all() and int(s["step"]) == 1 for s in trainer.optimizer.state.values())
 
 
 def test_with_a_kl_term_every_group_trains_and_the_gradient_is_the_full_batch_one(tmp_path):
@@ -407,6 +487,9 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, weights, attn):
         assert not torch.equal(full.model.state_dict()["lm_head.weight"], first.ref.state_dict()["lm_head.weight"])
     with pytest.raises(ValueError, match="lr: checkpoint 0.003 vs now 0.001"):
         _synthetic_trainer(tmp_path / "other", **{**cfg, "lr": 1e-3}).resume(ckpt)
+    leaner = _synthetic_trainer(tmp_path / "leaner", **{**cfg, "micro_batch_size": 8, "logprob_chunk_size": 64})
+    leaner.resume(ckpt)  # memory-only settings: what the memory check suggests after an out-of-memory stop
+    assert leaner.step_idx == 2
     state = torch.load(ckpt / STATE_FILE, weights_only=False)  # as checkpoints before named optimizer state
     state["optimizer"]["state"] = dict(enumerate(state["optimizer"]["state"].values()))
     torch.save(state, ckpt / STATE_FILE)
@@ -653,12 +736,15 @@ def _assert_gradients_close(got: dict, want: dict, rtol: float) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_policy_trains_like_the_eager_one(tmp_path):
+def test_compiled_policy_trains_like_the_eager_one(tmp_path, monkeypatch):
     # Compiling reorders fp32 reductions, so the two differ by rounding: about sqrt(n) x 6e-8 relative for
     # a sum of n terms, a few 1e-6 of the gradient's norm after a backward through the tiny model. 1e-4 is
     # far above that and far below what a real difference makes (a wrong mask, row, scale or padding changes
     # the gradient by O(1) of its norm).
     # Compiled with activation checkpointing too: the recomputation is compiled into the layer's backward.
+    import torch._dynamo
+    for name in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit"):
+        monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))  # the trainer sets them
     cfg = dict(steps=1, inner_epochs=2, micro_batch_size=32, kl_beta=0.05, lr=3e-3)
     runs = []
     for compiled, ckpt in ((False, False), (True, False), (True, True)):

@@ -20,6 +20,8 @@ from minigrpo.tasks.verifier import extract_answer, is_correct, normalize_number
         ("\\boxed{9", "9"),  # unclosed box is not an answer; fall back to the last number
         ("Step 1 ... 3 + 4 = 7\n#### 1,234\n", "1,234"),  # GSM8K format
         ("#### 5\nthen \\boxed{6}", "6"),  # boxed beats ####
+        ("#### Step 3: add them\nThe total is 18.", "18."),  # a markdown heading is no #### answer
+        ("#### Final Answer\nThe total is 18.", "18."),
         ("48 / 2 = 24 clips, so 72 in total.", "72"),  # last number
         ("The answer is -3.", "-3."),
         ("The answer is \u22123.", "-3."),  # unicode minus kept on the last-number path
@@ -161,6 +163,9 @@ def test_markdown_and_units_around_the_number(text, truth):
         ("#### 2*x*y", "2"),  # a product, not markdown emphasis
         ("#### x-5", "5"),
         ("#### 5/x", "5"),
+        ("\\boxed{x \u2265 5}", "5"),  # a comparison ...
+        ("\\boxed{x > 5}", "5"),
+        ("\\boxed{5!}", "5"),  # ... and a factorial are not the number in them
     ],
 )
 def test_expressions_are_still_not_numbers(text, truth):

@@ -121,8 +121,21 @@ def save_model(model: Qwen2ForCausalLM, out_dir: str | Path, *, tokenizer_dir: s
     return out_dir
 
 
+def fsync_tree(path: Path, recursive: bool = True) -> None:
+    """Flush a file, or a folder (and, recursive, everything in it), to the disk: a rename that publishes it
+    then survives a power loss or a kernel crash too, not only a crash of this process."""
+    for p in ([*path.rglob("*"), path] if recursive and path.is_dir() else [path]):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def replace_dir(new: Path, target: Path) -> None:
-    """Move `new` into place at `target`; an old `target` is removed only after the new one is in place."""
+    """Move `new`, flushed to the disk, into place at `target`; an old `target` is removed only after the new one
+    is in place."""
+    fsync_tree(new)
     if target.exists():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         os.replace(target, old)
@@ -130,3 +143,4 @@ def replace_dir(new: Path, target: Path) -> None:
         shutil.rmtree(old)
     else:
         os.replace(new, target)
+    fsync_tree(target.parent, recursive=False)  # the rename itself

@@ -51,7 +51,7 @@ class TrainConfig:
     sample_every: int = 10            # write a few decoded completions to samples.jsonl; 0 = never
     num_samples: int = 4
     seed: int = 0
-    logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory: ~2 x chunk x vocab x 2 B); 0 = full logits
+    logprob_chunk_size: int = 1024    # tokens per LM-head chunk (memory.py: up to chunk x vocab x 8 B); 0 = full
     activation_checkpointing: bool = False  # recompute layers in backward: far fewer activations, +1 forward
     recompute_layers: int | None = None     # with it: only the first N layers recompute, the rest keep theirs
     offload_reference: bool = False   # the KL reference in host memory outside its scoring pass (offload.py)
@@ -93,6 +93,13 @@ class TrainConfig:
                      "keep_checkpoints", "sample_every", "num_samples", "kl_beta", "weight_decay", "max_grad_norm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("eval_limit", "eval_max_new_tokens"):  # None: all examples / max_new_tokens
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (or unset), got {getattr(self, name)}")
+        if not 0 <= self.min_lr_ratio <= 1:  # below 0 the cosine schedule's LR turns negative: gradient ascent
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if not 0 <= self.seed < 2 ** 32:  # what numpy's global seed takes
             raise ValueError(f"seed must be in [0, 2^32), got {self.seed}")
         for name, allowed in CHOICES.items():
@@ -135,11 +142,14 @@ class TrainConfig:
 
 
 # A checkpoint stores its config; resuming refuses a different one, except for these settings: they do not
-# alter the training trajectory (parallel, like the world size, only the rounding: checkpoints hold the full
-# state either way; offload_reference only where the reference's weights wait).
+# alter the training trajectory. Evaluation, logging and saving; and what changes only memory, speed or the
+# rounding (a run that ran out of memory resumes with the smaller micro-batch the memory check names, and
+# `--recompute-layers auto` may settle on another count on another GPU; parallel, like the world size, changes
+# the rounding: checkpoints hold the full state either way).
 RESUMABLE_CHANGES = {"steps", "eval_every", "eval_limit", "eval_batch_size", "eval_max_new_tokens", "eval_samples",
                      "eval_temperature", "save_every", "keep_checkpoints", "sample_every", "num_samples", "parallel",
-                     "offload_reference"}
+                     "offload_reference", "micro_batch_size", "score_batch_size", "logprob_chunk_size",
+                     "activation_checkpointing", "recompute_layers", "compile_policy"}
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

@@ -13,7 +13,7 @@ _STREAM = 0x5EED_DA7A  # keeps this stream of random numbers apart from other (s
 
 
 def derive_seeds(seed: int, tag: int, step: int, n: int) -> list[int]:
-    """n distinct-in-practice int64 seeds, a pure function of (seed, tag, step)."""
+    """n distinct-in-practice int64 seeds, a pure function of (seed, tag, step); the first n of any longer list."""
     state = np.random.SeedSequence([seed, tag, step]).generate_state(n, dtype=np.uint64)
     return (state >> np.uint64(1)).astype(np.int64).tolist()
 

@@ -37,19 +37,16 @@ L layers, W ranks, T training columns (prompt + completion), a / r bytes per act
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
+from minigrpo.engine.config import EngineConfig
 from minigrpo.model.config import ModelConfig
 from minigrpo.rl.config import TrainConfig
 from minigrpo.rl.optim import CHUNK
 
-if TYPE_CHECKING:  # not imported to run: the engine package loads the Triton kernels
-    from minigrpo.engine.config import EngineConfig
-
 # An eager layer also keeps the elementwise intermediates (fp32 norms, autocast's casts, RoPE's halves, SwiGLU's
-# activation): 1.5x to 1.65x the compiled layer counted op by op; bench/NOTES.md (session 4) measured 1.55x.
+# activation): 1.5x to 1.65x the compiled layer, counted op by op (bench/NOTES.md, session 4, measured 1.55x).
+# The estimate is an upper bound, so it takes the top of that range with a margin.
 EAGER_FACTOR = 1.75
 # Per (token, vocabulary) element of an LM-head block at its peak: chunked, fp32 logits and one fp32 temporary;
 # full logits (chunk 0), the log-softmax kept for the backward, its gradient and one temporary.
@@ -95,9 +92,7 @@ def _engine(m: ModelConfig, engine: EngineConfig, P: int, prompts: int, prompt_t
     C, D = m.hidden_size, m.head_dim
     copy = P * e * (not shared) + 2 * engine.max_seq_len * D * 4  # shared: the policy's own weights; cos / sin
     page = 2 * m.num_hidden_layers * engine.page_size * m.num_key_value_heads * D * e  # K and V, all layers
-    pages = engine.kv_pages or 1 + engine.max_batch * math.ceil(engine.max_seq_len / engine.page_size)
-    if free is not None and engine.kv_pages is None:
-        pages = max(2, min(pages, int((free - copy) * engine.kv_memory_fraction) // page))
+    pages = engine.kv_page_count(None if free is None else free - copy, page)  # free once the copy is made
     workspace = (engine.max_batch * m.vocab_size * (e + CHUNK_LOGIT_BYTES)                # the decode step
                  + prompts * prompt_tokens * (4 * C + 3 * m.intermediate_size) * e)    # a prefill
     return {"engine_copy": copy, "kv_pool": pages * page, "engine_workspace": workspace}

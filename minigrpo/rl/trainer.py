@@ -15,7 +15,8 @@ The LR is a function of the step number; every random number derives from (seed,
 torchrun each rank rolls out its block of the prompts; DDP or FSDP keep the single-process math (distributed.py).
 
 Shape legend: B prompts per step, G samples per prompt, N = B*G rows, R = N/W rows of each of W ranks,
-n kept rows (of this rank), C completion length.
+n kept rows (of this rank), C completion length; m rows of a micro-batch, T' and C' its total and completion
+lengths (trimmed to its longest row).
 """
 
 from __future__ import annotations
@@ -134,20 +135,20 @@ class Trainer:
         rewards, correct = self._rewards(examples, rollout)                                     # 2. reward (R,)
         adv = group_advantages(rewards, G)                                                      # (R,)
         informative = nonzero_groups(adv, G)                                                    # 3. filter (R,)
-        train = informative if cfg.kl_beta == 0 else torch.ones_like(informative)               # (R,)
-        trained = self.dist.gather(train)                                                       # (N,) all ranks
+        train_mine = informative if cfg.kl_beta == 0 else torch.ones_like(informative)          # (R,) this rank's
+        train_all = self.dist.gather(train_mine)                                                # (N,) all ranks'
         m = {"step": self.step_idx, **rollout_metrics(rollout.tokens, stopped, rewards, correct, informative,
-                                                     trained, self.dist), "lr": lr}
+                                                     train_all, self.dist), "lr": lr}
         timer.lap("reward")
 
-        if not trained.any():  # no group on any rank has a reward spread (and beta = 0): nothing to learn
+        if not train_all.any():  # no group on any rank has a reward spread (and beta = 0): nothing to learn
             m["skipped_update"] = True
         else:
-            rows = self._training_rows(prompts, rollout, adv, train, trained)
+            rows = self._training_rows(prompts, rollout, adv, train_mine, train_all)
             ref_logp, old_logp, entropy = self._reference_and_old_logprobs(rows)               # 4. log-probs
             timer.lap("logprobs")
             with self._update_memory(m):
-                update, old_logp, entropy = self._update(rows, old_logp, entropy, ref_logp, trained)  # 5. update
+                update, old_logp, entropy = self._update(rows, old_logp, entropy, ref_logp, train_all)  # 5. update
             m.update(update)
             timer.lap("update")
             m.update(mismatch_metrics(old_logp, rows.rollout_logp, entropy, rows.mask, self.cfg.tis_cap, self.dist))
@@ -186,16 +187,17 @@ class Trainer:
         self.last_rollout = {"examples": examples, "completions": rollout.tokens, "rewards": [s[0] for s in scores]}
         return torch.tensor([s[0] for s in scores], dtype=torch.float32), [s[1] for s in scores]
 
-    def _training_rows(self, prompts, rollout, adv: torch.Tensor, train: torch.Tensor, trained: torch.Tensor) -> _Rows:
-        """This rank's rows to train (train (R,); trained (N,): every rank's) as one batch. A rank with none
+    def _training_rows(self, prompts, rollout, adv: torch.Tensor, train_mine: torch.Tensor,
+                       train_all: torch.Tensor) -> _Rows:
+        """This rank's rows to train (train_mine (R,); train_all (N,): every rank's) as one batch. A rank with none
         still joins every gradient reduction: it gets a stand-in row, trained at weight 0."""
         G = self.cfg.samples_per_prompt
-        kept = train.nonzero().squeeze(1).tolist()
+        kept = train_mine.nonzero().squeeze(1).tolist()
         index = kept or [0]
         batch = SequenceBatch.build([prompts[r // G] for r in index], [rollout.tokens[r] for r in index],
                                     pad_id=self.tokenizer.pad_id, device=self.device)
-        offset = self.dist.rank * len(train)  # the global index of this rank's first rollout row
-        most = max(1, int(trained.view(self.dist.world, -1).sum(1).max()))  # the most rows of one rank
+        offset = self.dist.rank * len(train_mine)  # the global index of this rank's first rollout row
+        most = max(1, int(train_all.view(self.dist.world, -1).sum(1).max()))  # the most rows of one rank
         rollout_logp = pad_rows([rollout.logprobs[r] for r in index], batch.C, self.device)  # (n, C)
         return _Rows(batch, adv[index].to(self.device), rollout_logp, {offset + r: j for j, r in enumerate(kept)}, most)
 
@@ -210,15 +212,15 @@ class Trainer:
             return ref_logp, None, None
         return (ref_logp, *self._score(self.policy, rows.batch, rows.most, return_entropy=True))
 
-    def _update(self, rows: _Rows, old_logp, entropy, ref_logp, trained: torch.Tensor):
-        """Stage 5: K epochs of minibatch AdamW steps. old/ref_logp, entropy (n, C); trained (N,): the rows that
+    def _update(self, rows: _Rows, old_logp, entropy, ref_logp, train_all: torch.Tensor):
+        """Stage 5: K epochs of minibatch AdamW steps. old/ref_logp, entropy (n, C); train_all (N,): the rows that
         train, on any rank. Returns (metrics, old_logp, entropy). With old_logp None the first epoch's forward,
         before any optimizer step, is the old policy's: it fills old_logp (and entropy), its ratios exactly 1."""
         fill = old_logp is None
         if fill:
             old_logp, entropy = torch.zeros_like(rows.rollout_logp), torch.zeros_like(rows.rollout_logp)
         sums = UpdateSums(self.device)
-        for k, epoch, minibatch, count in self._minibatches(rows, trained):  # _optimizer_step leaves no gradient
+        for k, epoch, minibatch, count in self._minibatches(rows, train_all):  # _optimizer_step leaves no gradient
             for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch, count, rows.batch)):
                 mb, idx = self._select(rows.batch, micro)                                      # (m, T'), (m,)
                 with self.policy.accumulate(u == 0, last):  # the last backward reduces (DDP / FSDP)
@@ -249,17 +251,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- plumbing
 
-    def _minibatches(self, rows: _Rows, trained: torch.Tensor):
+    def _minibatches(self, rows: _Rows, train_all: torch.Tensor):
         """(k, epoch, this rank's rows, micro-batches per rank) of each of the K x N/M minibatches that trains a
         row on any rank. One permutation of all ranks' rows draws them, so every rank takes the same steps; k
         counts skipped minibatches too. Every rank runs as many micro-batches as the fullest rank needs."""
         cfg, W = self.cfg, self.dist.world
         N, M, R = cfg.rows_per_step, cfg.rows_per_minibatch, cfg.rows_per_step // W
-        trained = trained.tolist()
+        train_all = train_all.tolist()
         for epoch in range(cfg.inner_epochs):
             order = np.random.default_rng([cfg.seed, _SHUFFLE, self.step_idx, epoch]).permutation(N).tolist()
             for start in range(0, N, M):
-                drawn = [r for r in order[start:start + M] if trained[r]]
+                drawn = [r for r in order[start:start + M] if train_all[r]]
                 if drawn:
                     mine = [rows.position[r] for r in drawn if r in rows.position]
                     most = max(sum(r // R == q for r in drawn) for q in range(W))  # rows of the fullest rank
@@ -283,11 +285,13 @@ class Trainer:
 
     def _optimizer_step(self, k: int) -> torch.Tensor | None:
         """Clip the gradient and take the update's k-th optimizer step. Returns the pre-clip gradient norm, or None
-        without a step for a NaN or inf one (one bad batch must not poison the weights)."""
+        without a step for a NaN or inf one, so that no later minibatch trains on poisoned weights. An inf
+        gradient from a finite loss (an overflow in the backward) is counted (nonfinite_grad_steps) and the run
+        goes on; a NaN or inf loss stops the run after this step, unsaved (loop.run)."""
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
         finite = bool(torch.isfinite(norm))
         if finite and isinstance(self.optimizer, StochasticAdamW):  # its rounding noise: a function of (seed, step, k)
-            self.optimizer.step(derive_seeds(self.cfg.seed, _ROUND, self.step_idx, k + 1)[k])
+            self.optimizer.step(derive_seeds(self.cfg.seed, _ROUND, self.step_idx, k + 1)[k])  # k-th of any count
         elif finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -295,7 +299,8 @@ class Trainer:
 
     @contextlib.contextmanager
     def _update_memory(self, m: dict):
-        """On CUDA, record in `m` the update's own peak memory, above the resident weights and optimizer state."""
+        """On CUDA, record in `m` the update's peak memory, and its working memory: that peak above what was
+        allocated when the update began (weights, optimizer state once created, this step's rows and log-probs)."""
         dev = self.device
         if dev.type != "cuda":
             yield
@@ -360,8 +365,8 @@ class Trainer:
             raise ValueError(f"cannot resume exactly: settings differ from the checkpoint's ({diffs}); "
                              f"rerun with the original values")
         if any(not isinstance(k, str) for k in state["optimizer"]["state"]):
-            raise ValueError(f"{ckpt}: its optimizer state is numbered, not named by parameter (a checkpoint from "
-                             f"before 2026-12-01); start a new run from its weights: --model-dir {ckpt / 'model'}")
+            raise ValueError(f"{ckpt}: its optimizer state is numbered, not named by parameter (an older checkpoint "
+                             f"format); start a new run from its weights: --model-dir {ckpt / 'model'}")
         dcp.set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
                                      options=dcp.StateDictOptions(full_state_dict=True))
         self.sampler.load_state_dict(state["sampler"])

@@ -6,11 +6,12 @@
 
 The model is saved in the policy's own dtype, not rounded to bf16: a resumed run starts from bit-identical
 weights. A checkpoint is assembled in a temporary sibling folder (`.step_*.tmp-PID`) and renamed into place
-when complete, and only then is `latest` replaced (write, then rename), so a crash at any moment leaves
-`latest` naming a complete checkpoint; the next start removes the leftovers (`remove_stale_temps`). Pruning
-keeps the newest checkpoints up to the step just written: later ones predate a resume that rewound the run.
-The state file holds only tensors and plain values, so it loads with `torch.load(weights_only=True)`, running
-no pickled code. No global RNG state is saved: training draws every random number from (seed, step, ...).
+when complete, and only then is `latest` replaced (write, then rename), each flushed to the disk before its
+rename, so a crash at any moment, of the process or of the machine, leaves `latest` naming a complete
+checkpoint; the next start removes the leftovers (`remove_stale_temps`). Pruning keeps the newest checkpoints
+up to the step just written: later ones predate a resume that rewound the run. The state file holds only
+tensors and plain values, so it loads with `torch.load(weights_only=True)`, running no pickled code. No global
+RNG state is saved: training draws every random number from (seed, step, ...).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from minigrpo.model.checkpoint import load_model, replace_dir, save_model
+from minigrpo.model.checkpoint import fsync_tree, load_model, replace_dir, save_model
 from minigrpo.model.config import ModelConfig
 
 STATE_FILE = "trainer_state.pt"
@@ -68,7 +69,9 @@ def set_latest(ckpt_root: str | Path, name: str) -> None:
     """Point `latest` at the complete checkpoint `name`, atomically."""
     tmp = Path(ckpt_root) / f".{LATEST}.tmp-{os.getpid()}"
     tmp.write_text(name + "\n")
+    fsync_tree(tmp)
     os.replace(tmp, Path(ckpt_root) / LATEST)
+    fsync_tree(Path(ckpt_root), recursive=False)
 
 
 def remove_stale_temps(ckpt_root: str | Path) -> None:

@@ -12,13 +12,16 @@ rows only: with kl_beta = 0 zero-advantage groups get no forward):
   completion_len_mean/max, completion_tokens, truncated_frac (no stop within max_new_tokens), trained_rows,
   loss (mean per optimizer step), clip_frac (tokens where the PPO clip bound), kl (k3 to the reference, with
   kl_beta > 0), entropy (per token, at the sampling temperature), grad_norm (pre-clip, mean over optimizer
-  steps), logp_diff_mean/max (|rollout engine - trainer| log-prob of the sampled tokens), mismatch_kl (k3
+  steps), optimizer_steps (taken), nonfinite_grad_steps (skipped for a NaN or inf gradient; only when there
+  were any), logp_diff_mean/max (|rollout engine - trainer| log-prob of the sampled tokens), mismatch_kl (k3
   KL(rollout || trainer) on them), tis_weight_mean (as applied), tis_ratio_max (before the cap),
   tis_capped_frac, old_logp_gap_mean/max (with several minibatches: the first minibatch's training forward
   against its separately scored old log-probs, before any optimizer step; 0 up to rounding), lr,
   time_{rollout,reward,logprobs,update,sync,step} (seconds), rollout_tokens_per_s and tokens_per_s
   (completion tokens / rollout time, / step time), compile_s (seconds of the step compiling), peak_mem_gib
-  (CUDA; 0 on CPU), skipped_update (no group had a reward spread), eval_* (evaluate.py's keys).
+  (CUDA; 0 on CPU) and on CUDA peak_mem_before_update_gib, peak_mem_update_gib and update_working_mem_gib
+  (the update's peak above what was allocated when it began), compiled_graphs (with compile_policy: the
+  process's graphs so far), skipped_update (no group had a reward spread), eval_* (evaluate.py's keys).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from minigrpo.model.checkpoint import fsync_tree
 
 # (key, label, format, meaning) of what the stdout line shows, in order; keys missing from a record are skipped.
 _LINE = [
@@ -61,15 +66,28 @@ def format_line(record: dict) -> str:
     return " | ".join(parts)
 
 
+class DamagedLog(ValueError):
+    """A complete line of a run's jsonl log is not JSON: the file was edited or damaged, not cut short."""
+
+
 def _truncate_after(path: Path, step: int) -> None:
     """Keep the records of steps <= `step` (and no line a crash cut short), rewriting the file atomically."""
     if not path.is_file():
         return
     lines = path.read_text().split("\n")[:-1]  # complete lines only
-    kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            if line.strip() and json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, AttributeError):
+            raise DamagedLog(f"{path}:{number} is not a JSON record; repair or remove that line, then resume "
+                             f"again") from None
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(ln + "\n" for ln in kept))
+    fsync_tree(tmp)
     os.replace(tmp, path)
+    fsync_tree(path.parent, recursive=False)
 
 
 class MetricsLogger:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 
 from minigrpo.tasks.verifier import last_boxed, normalize_number
@@ -71,8 +72,8 @@ def _make_example(record: dict, fields: tuple[str, str], final: str, numeric: bo
         raise ValueError(f"{where}: missing key(s) {missing}; each line must be an object with {q!r} and {a!r} "
                          f"(found keys {sorted(record)}; --question-field / --answer-field name others)")
     question, answer = record[q], record[a]
-    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-        answer = str(answer)
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):  # positional: 1e-05 -> 0.00001
+        answer = str(answer) if isinstance(answer, int) else format(Decimal(repr(answer)), "f")
     if not isinstance(question, str) or not isinstance(answer, str):
         key, value = (q, question) if not isinstance(question, str) else (a, answer)
         raise ValueError(f"{where}: {key!r} must be a string{' or a number' if key == a else ''}, "

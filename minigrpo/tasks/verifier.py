@@ -19,6 +19,9 @@ REWARD_MODES = ("numeric", "exact", "boxed")  # reward()'s modes (--reward)
 
 _BOXED_OR_BRACE = re.compile(r"\\boxed\s*\{|[{}]")
 _HASH_ANSWER = re.compile(r"####[ \t]*([^\n]*)")
+# GSM8K's marker is "#### N"; "#### Step 3: ..." or "#### Final Answer" is a markdown heading (a word first,
+# where "#### x = 5" starts with a variable), not an answer.
+_HEADING = re.compile(r"[^\W\d_]{2,}")
 
 # A plain decimal: "1000", "1,000", "1,000.50", "3.", ".5". Thousands groups must be exactly 3 digits,
 # so a list like "1,2,3" reads as three numbers rather than 123.
@@ -38,10 +41,11 @@ _LATEX_NOISE = re.compile(r"\\[,!;: ]|\\(?:left|right|displaystyle|quad|qquad)\b
 # word on the outside, so "2*x*y" stays an expression.
 _MARKDOWN_EMPHASIS = re.compile(r"(?<![\w*])(\*{1,3})(?=\S)([^*]+?)(?<=\S)\1(?![\w*])")
 _UNICODE_MINUS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2014": "-", "\ufe63": "-", "\uff0d": "-"})
-# Left over after the number is removed, any of these means the answer is an expression, not a number.
+# Left over after the number is removed, any of these means the answer is an expression, a comparison or a
+# factorial, not a number.
 # "-" and "/" between two letters are part of a word or unit ("half-hours", "km/h"), not arithmetic.
 _LETTER = r"[^\W\d_]"
-_OPERATOR_LEFTOVER = re.compile(r"[+*^×÷\\]|(?<!" + _LETTER + r")[-/]|[-/](?!" + _LETTER + r")")
+_OPERATOR_LEFTOVER = re.compile(r"[+*^×÷\\<>≤≥≠!]|(?<!" + _LETTER + r")[-/]|[-/](?!" + _LETTER + r")")
 
 
 def last_boxed(text: str) -> str | None:
@@ -70,7 +74,7 @@ def extract_answer(text: str) -> str | None:
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
-    hashes = [h for m in _HASH_ANSWER.finditer(text) if (h := m.group(1).strip())]
+    hashes = [h for m in _HASH_ANSWER.finditer(text) if (h := m.group(1).strip()) and not _HEADING.match(h)]
     if hashes:
         return hashes[-1]
     numbers = _NUMBER.findall(text.translate(_UNICODE_MINUS))  # "\u22125" is -5 here too, not 5
@@ -81,7 +85,7 @@ def normalize_number(s: str | None) -> float | None:
     """Parse a final answer into a float, or None if it is not exactly one finite number.
     Accepts: "1,000.50", "$5", "50%", "+3", "\u22124", "18 dollars", "x = 5", "3/4", "-\\frac{1}{2}",
     "10 \\text{ cups}", "\\$1{,}000", "-\\$5", "**18**", "60 km/h". Rejects: "nan", "inf", "1e999" (2 numbers),
-    "5 or 6", "2^3", "5\\pi", "5-2", "2*x*y"."""
+    "5 or 6", "2^3", "5\\pi", "5-2", "2*x*y", "x > 5", "5!"."""
     if not isinstance(s, str) or len(s) > MAX_ANSWER_CHARS:
         return None
     s = s.translate(_UNICODE_MINUS)

@@ -371,7 +371,7 @@ def _comparable(path: Path) -> list[dict]:
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_path):
     """20 SIGKILLs, anywhere from start-up to mid-step to mid-checkpoint (every 2 steps), each resumed."""
-    args = [*SMALL, "--steps", "60", "--save-every", "2", "--eval-every", "8", "--eval-limit", "8",
+    args = [*SMALL, "--steps", "100", "--save-every", "2", "--eval-every", "8", "--eval-limit", "8",
             "--sample-every", "3"]
     reference = run([*args, "--out", str(tmp_path / "reference")])
     assert reference.returncode == 0, reference.stderr[-3000:]
@@ -395,8 +395,8 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(tmp_
 
     assert _comparable(out / "metrics.jsonl") == _comparable(tmp_path / "reference" / "metrics.jsonl")
     assert (out / "samples.jsonl").read_text() == (tmp_path / "reference" / "samples.jsonl").read_text()
-    want = load_file(tmp_path / "reference" / "checkpoints" / "step_000060" / "model" / "model.safetensors")
-    got = load_file(out / "checkpoints" / "step_000060" / "model" / "model.safetensors")
+    want = load_file(tmp_path / "reference" / "checkpoints" / "step_000100" / "model" / "model.safetensors")
+    got = load_file(out / "checkpoints" / "step_000100" / "model" / "model.safetensors")
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert not list((out / "checkpoints").glob(".*"))  # no temporary folder survives the final start
 

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels.decode_attention import check_decode_inputs, check_new_token_inputs
-from minigrpo.engine.config import BACKENDS  # noqa: F401  (the names `backend` takes)
 from minigrpo.model.qwen2 import apply_rope
 
 

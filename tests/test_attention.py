@@ -19,10 +19,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 from minigrpo.engine.attention import cached_attention, decode_attention, rope_store  # noqa: E402
-from minigrpo.engine.config import (
-    BACKENDS,  # noqa: E402
-    EngineConfig,  # noqa: E402
-)
+from minigrpo.engine.config import BACKENDS, EngineConfig  # noqa: E402
 from minigrpo.model.qwen2 import apply_rope, rope_cos_sin  # noqa: E402
 
 

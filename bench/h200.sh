@@ -17,9 +17,11 @@ rand() {  # random weights at a published Qwen2.5 shape (0.5b, 1.5b, 3b, 7b) in 
     --tokenizer-dir "$DATA/qwen2.5-0.5b-instruct" --out "/tmp/rand${1/./}"  # drawn on the GPU: seconds, not minutes
 }
 case "${1:-}" in
-  checks)      # correctness on the GPU: kernels in bf16, logits / greedy vs transformers, engine modes
+  checks)      # correctness on the GPU: kernels in bf16, logits / greedy vs transformers, engine modes (~10 min:
+               # more than one call's limit; split it with pytest flags, e.g. `checks -k "not bf16"`, then
+               # `checks -k bf16`)
     python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 tests/test_kernels.py tests/test_gpu.py tests/test_memory.py \
-      2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[|passed|failed|FAILED|Error" ;;
+      "${@:2}" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[|passed|failed|FAILED|Error" ;;
   fitted)      # the same checks on confident weights: the random 0.5B fitted to GSM8K solutions, those of
                # the checked prompts learnt by heart (~3 min; bench/fit_gsm8k.py says why), where bf16
                # greedy parity is a meaningful test

@@ -289,6 +289,29 @@ def test_a_refused_resume_changes_nothing(tmp_path):
     assert latest_step(out) == 4 and steps(out) == [1, 2, 3, 4]  # `latest` and the logs as they were
 
 
+def test_a_resume_from_an_earlier_checkpoint_keeps_the_abandoned_future(tmp_path):
+    # Rewinding to step 4 of a run that reached step 6: the run goes on from step 4 (its logs cut back to it),
+    # and the checkpoint past it and the logs as they were move to checkpoints/abandoned-*/, where pruning and
+    # resuming never look: nothing the first run wrote is lost.
+    out = tmp_path / "run"
+    args = [*SMALL, "--steps", "6", "--save-every", "2", "--keep-checkpoints", "2", "--out", str(out)]
+    assert run(args).returncode == 0
+    before = load_file(out / "checkpoints" / "step_000006" / "model" / "model.safetensors")
+    first_log = (out / "metrics.jsonl").read_text()
+    rewound = run([*args, "--resume", str(out / "checkpoints" / "step_000004")])
+    assert rewound.returncode == 0, rewound.stderr[-3000:]
+    (aside,) = (out / "checkpoints").glob("abandoned-*")
+    assert f"the later ones and the logs are kept in {aside}" in rewound.stderr
+    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "step_000006"]
+    assert (aside / "metrics.jsonl").read_text() == first_log
+    kept = load_file(aside / "step_000006" / "model" / "model.safetensors")
+    assert all(torch.equal(kept[k], before[k]) for k in before)
+    assert steps(out) == [1, 2, 3, 4, 5, 6] and latest_step(out) == 6
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000004", "step_000006"]
+    again = run([*args, "--steps", "8", "--resume"])  # a resume from the newest abandons nothing
+    assert again.returncode == 0 and len(list((out / "checkpoints").glob("abandoned-*"))) == 1
+
+
 def test_a_second_run_into_a_running_out_is_refused(tmp_path):
     # A requeued job started while the first still runs would interleave both runs' records.
     out, log = tmp_path / "run", tmp_path / "log"

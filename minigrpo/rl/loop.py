@@ -5,12 +5,14 @@ writes; every rank steps, evaluates its share and saves (evaluation and checkpoi
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from tqdm import tqdm
 
 from minigrpo.rl.evaluate import decoded, evaluate
 from minigrpo.rl.trainer import Trainer
-from minigrpo.run.checkpoints import set_latest
+from minigrpo.run.checkpoints import latest_name, set_aside_later, set_latest
 from minigrpo.run.metrics import MetricsLogger
 from minigrpo.run.stopping import Interrupted, NonFiniteError, StopSignals, nonfinite
 
@@ -20,10 +22,8 @@ def run(trainer: Trainer) -> list[dict]:
     and a checkpoint) and `NonFiniteError` on a NaN or inf loss or weight (before saving them)."""
     t, cfg, main = trainer, trainer.cfg, trainer.dist.is_main
     resumed = t.resumed_from is not None
-    if main and resumed:  # one of this run's own checkpoints rewinds the run to it: `latest` and the logs
-        own = t.out_dir / "checkpoints"
-        if t.resumed_from.parent.resolve() == own.resolve():
-            set_latest(own, t.resumed_from.name)
+    if main and resumed:
+        _rewind(t)
     logger = MetricsLogger(t.out_dir, tensorboard=t.tensorboard, echo=t.echo,
                            resume_step=t.step_idx if resumed else None) if main else None
     evaluating = t.eval_task is not None and cfg.eval_every
@@ -61,6 +61,19 @@ def run(trainer: Trainer) -> list[dict]:
         if logger is not None:
             logger.close()
     return history
+
+
+def _rewind(t: Trainer) -> None:
+    """One of this run's own checkpoints rewinds the run to it: `latest` names it (the logger then cuts the logs
+    back to it). Past `latest` (a crash resumes from `latest` itself) the future being replaced is kept aside."""
+    own = t.out_dir / "checkpoints"
+    if t.resumed_from.parent.resolve() != own.resolve():
+        return
+    newest = latest_name(own)
+    set_latest(own, t.resumed_from.name)
+    aside = set_aside_later(t.out_dir, t.step_idx) if newest != t.resumed_from.name else None
+    if aside is not None:
+        print(f"resumed from an earlier checkpoint: the later ones and the logs are kept in {aside}", file=sys.stderr)
 
 
 def _evaluate(t: Trainer, logger: MetricsLogger | None) -> dict:

@@ -8,8 +8,9 @@ The model is saved in the policy's own dtype, not rounded to bf16: a resumed run
 weights. A checkpoint is assembled in a temporary sibling folder (`.step_*.tmp-PID`) and renamed into place
 when complete, and only then is `latest` replaced (write, then rename), each flushed to the disk before its
 rename, so a crash at any moment, of the process or of the machine, leaves `latest` naming a complete
-checkpoint; the next start removes the leftovers (`remove_stale_temps`). Pruning keeps the newest checkpoints
-up to the step just written: later ones predate a resume that rewound the run. The state file holds only
+checkpoint; the next start removes the leftovers (`remove_stale_temps`). A resume from an earlier checkpoint of
+the run moves the later ones, and the logs as they were, to `checkpoints/abandoned-<time>/` (`set_aside_later`);
+pruning keeps the newest `step_*` folders up to the step just written. The state file holds only
 tensors and plain values, so it loads with `torch.load(weights_only=True)`, running no pickled code. No global
 RNG state is saved: training draws every random number from (seed, step, ...).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -72,6 +74,26 @@ def set_latest(ckpt_root: str | Path, name: str) -> None:
     fsync_tree(tmp)
     os.replace(tmp, Path(ckpt_root) / LATEST)
     fsync_tree(Path(ckpt_root), recursive=False)
+
+
+def set_aside_later(out_dir: Path, step: int) -> Path | None:
+    """A resume that rewinds the run to `step`, before `latest`: its later checkpoints, and its logs as they
+    stand, go into `checkpoints/abandoned-<UTC time>/` (never pruned, never resumed from), so the future being
+    replaced stays on the disk. None when no checkpoint is later."""
+    root = out_dir / "checkpoints"
+    later = [p for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit()
+             and int(p.name.removeprefix("step_")) > step]
+    if not later:
+        return None
+    aside = root / f"abandoned-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    aside.mkdir()
+    for log in out_dir.glob("*.jsonl"):
+        shutil.copy2(log, aside / log.name)
+    fsync_tree(aside)
+    for ckpt in later:
+        os.replace(ckpt, aside / ckpt.name)
+    fsync_tree(root, recursive=False)
+    return aside
 
 
 def remove_stale_temps(ckpt_root: str | Path) -> None:

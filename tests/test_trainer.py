@@ -210,14 +210,18 @@ def test_only_informative_groups_are_forwarded_and_the_gradient_is_the_full_batc
               4: [[10, STOP], [11, 12, STOP], [10, 13, 14, 15, 16, 17], [12, STOP]],
               6: [[13, STOP], [10, 10, STOP], [14], [15, 16, STOP]]}
     prompts = [[1, 2, 3], [4, 5], [6]]
-    trainer, backend = _trainer(model, script, prompts, tmp_path, micro_batch_size=3, max_grad_norm=0.0)
+
+    def sampled(r, t):  # a sampling log-prob per row and token: kept rows must stay aligned with theirs
+        return (-5.0, -1.0, -3.0, -4.2, -0.5)[(3 * r + t) % 5]
+    trainer, backend = _trainer(model, script, prompts, tmp_path, rollout_logp=sampled, micro_batch_size=3,
+                                max_grad_norm=0.0)
     rows, grads = _count_forward_rows(model), _capture_gradients(trainer)
     m = trainer.step()
     # 8 informative rows in micro-batches of 3, forwarded once: with one minibatch per epoch the old log-probs
     # come from the update's own forward. The dropped group is never forwarded.
     assert sorted(rows) == [2, 3, 3] and m["trained_rows"] == 8 and backend.syncs == 1
 
-    for name, want in _full_batch_gradient(initial, trainer, prompts)[0].items():
+    for name, want in _full_batch_gradient(initial, trainer, prompts, sampled=sampled)[0].items():
         torch.testing.assert_close(grads[name], want, atol=1e-6, rtol=1e-4, msg=name)
 
 
@@ -249,10 +253,10 @@ def _row_logprobs(model, prompt, completion) -> torch.Tensor:
     return torch.stack([logp_all[len(prompt) + k - 1, tok] for k, tok in enumerate(completion)])
 
 
-def _full_batch_gradient(policy, trainer, prompts, ref=None, beta=0.0):
+def _full_batch_gradient(policy, trainer, prompts, ref=None, beta=0.0, sampled=lambda r, t: -1.0):
     """The gradient of the Dr. GRPO loss (+ beta x k3 KL to `ref`) over ALL rows of the trainer's last rollout,
-    each token's surrogate weighted by min(pi_old / pi_rollout, 2) (ScriptedBackend's log-probs: -1), at
-    `policy`'s weights. Returns (gradients by name, the mean k3 KL per token)."""
+    each token's surrogate weighted by min(pi_old / pi_rollout, 2) (pi_rollout: ScriptedBackend's `sampled`
+    log-probs), at `policy`'s weights. Returns (gradients by name, the mean k3 KL per token)."""
     G, L = trainer.cfg.samples_per_prompt, trainer.cfg.max_new_tokens
     r = trainer.last_rollout
     rewards = torch.tensor(r["rewards"]).view(-1, G)
@@ -261,7 +265,8 @@ def _full_batch_gradient(policy, trainer, prompts, ref=None, beta=0.0):
     for i, completion in enumerate(r["completions"]):
         prompt = prompts[r["examples"][i // G]]
         logp = _row_logprobs(policy, prompt, completion)                            # (c,)
-        weight = torch.exp(logp.detach() + 1.0).clamp(max=2.0)
+        rollout = torch.tensor([sampled(i, t) for t in range(len(completion))])
+        weight = torch.exp(logp.detach() - rollout).clamp(max=2.0)
         loss = loss - (advs[i] * weight * torch.exp(logp - logp.detach())).sum()    # ratio 1: grad A * w * dlogp
         if ref is not None:
             delta = _row_logprobs(ref, prompt, completion).detach() - logp

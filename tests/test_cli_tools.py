@@ -120,6 +120,24 @@ def test_evaluate_out_is_replaced_only_with_overwrite_and_whole(tmp_path, tiny_q
     assert [p.name for p in tmp_path.iterdir()] == ["eval.jsonl"]  # no temporary file left beside it
 
 
+INTERRUPTED_EVAL = """
+import sys, evaluate
+def interrupted(*args, **kwargs):  # Ctrl-C in the middle of the evaluation
+    raise KeyboardInterrupt
+evaluate.evaluate = interrupted
+evaluate.main(sys.argv[1:])
+"""
+
+
+def test_ctrl_c_during_the_evaluation_is_one_line_and_writes_nothing(tmp_path, tiny_qwen_dir):
+    out = tmp_path / "eval.jsonl"
+    proc = run(["-c", INTERRUPTED_EVAL, "--model-dir", str(tiny_qwen_dir), "--test-data", str(GSM8K_TEST),
+                "--limit", "2", "--max-new-tokens", "2", "--device", "cpu", "--out", str(out)])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "interrupted: nothing was written"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_evaluate_on_cuda_without_cuda_says_to_use_the_cpu(tmp_path):
     refused(run(["evaluate.py", "--model-dir", str(tmp_path / "no-model"), "--device", "cuda"]),

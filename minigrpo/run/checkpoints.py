@@ -92,7 +92,8 @@ def set_aside_later(out_dir: Path, step: int) -> Path | None:
     fsync_tree(aside)
     for ckpt in later:
         os.replace(ckpt, aside / ckpt.name)
-    fsync_tree(root, recursive=False)
+    for folder in (root, aside):  # each move changed both folders' entries
+        fsync_tree(folder, recursive=False)
     return aside
 
 

@@ -29,6 +29,7 @@ import argparse
 import inspect
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -69,6 +70,13 @@ def model_flops(model, prompt_lens, completion_lens, epochs: int) -> float:
     return epochs * (6 * (body * sum(lengths) + head * sum(completion_lens)) + attention)
 
 
+# kernel families of the update, by name (first match): cuBLAS matmuls, attention, the optimizer, Inductor's fused
+# kernels, copies
+_KERNEL_KINDS = (("matmul", r"nvjet|gemm|cutlass|xmma"), ("attention", r"flash|fmha|attention|cudnn"),
+                 ("optimizer", r"multi_tensor|adam|foreach"), ("inductor", r"^triton_"),
+                 ("copy", r"copy|Memcpy|memcpy"))
+
+
 def gpu_busy(trace_path: str) -> dict:
     """From a chrome trace: the 'update' range's wall seconds, the seconds some kernel ran inside it (union of
     kernel intervals), the kernel count, and the kernels taking the most time."""
@@ -84,8 +92,13 @@ def gpu_busy(trace_path: str) -> dict:
         end = max(end, e)
         by_name[name[:60]] = by_name.get(name[:60], 0.0) + (e - s)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    by_kind = {}
+    for name, t in by_name.items():
+        kind = next((k for k, pattern in _KERNEL_KINDS if re.search(pattern, name)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + t
     return {"update_wall_s": (t1 - t0) / 1e6, "gpu_busy_s": busy / 1e6, "kernels": len(kernels),
-            "top_kernels_ms": [(n, round(t / 1e3, 1)) for n, t in top]}
+            "top_kernels_ms": [(n, round(t / 1e3, 1)) for n, t in top],
+            "by_kind_ms": {k: round(t / 1e3, 1) for k, t in sorted(by_kind.items(), key=lambda kv: -kv[1])}}
 
 
 def worker(args) -> None:
@@ -162,7 +175,7 @@ def summary(name: str, rows: list[dict]) -> str:
             p = r["profile"]
             line += (f"\n{'':>10}   profiled update: {p['update_wall_s']:.3f} s wall, GPU busy {p['gpu_busy_s']:.3f} s "
                      f"({100 * p['gpu_busy_s'] / p['update_wall_s']:.0f}%), {p['kernels']} kernels; "
-                     f"top ms: {p['top_kernels_ms']}")
+                     f"by kind ms: {p['by_kind_ms']}; top ms: {p['top_kernels_ms']}")
     return line
 
 

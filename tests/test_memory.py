@@ -246,6 +246,10 @@ def test_leaner_tries_the_cheapest_change_first():
     assert train.leaner(replace(cfg, logprob_chunk_size=128), lambda c: c.weights == "bf16" and
                         c.activation_checkpointing) == {"weights": "bf16", "activation_checkpointing": True}
     assert train.leaner(cfg, lambda c: False) is None
+    # a weight decay that bf16 weights cannot carry: the fp32 changes only, down to micro-batches of 1
+    decayed = replace(cfg, weight_decay=0.01)
+    assert train.leaner(decayed, lambda c: c.micro_batch_size <= 2) == \
+        {"activation_checkpointing": True, "logprob_chunk_size": 256, "micro_batch_size": 2}
     # with a KL reference, offloading it comes before any smaller micro-batch; never without one, or under FSDP
     kl = replace(cfg, kl_beta=0.04)
     assert train.leaner(kl, lambda c: c.offload_reference or c.micro_batch_size <= 8) == {"offload_reference": True}

@@ -167,20 +167,30 @@ def leaner(cfg: TrainConfig, fits) -> dict | None:
     """The first change to cfg, in order of what it costs, for which fits(changed cfg) holds: the KL reference
     offloaded (where there is one: under 1% of a 7B step), a smaller micro-batch (down to a quarter), activation
     checkpointing (one more forward), 256-token LM-head chunks, bf16 weights, and their combinations; last, the
-    leanest setting with micro-batches down to 1 row. Returns the changed TrainConfig fields, or None when
-    nothing fits."""
-    lean = {"weights": "bf16", "activation_checkpointing": True, "logprob_chunk_size": 256}
-    changes = [{}, {"activation_checkpointing": True}, {"activation_checkpointing": True, "logprob_chunk_size": 256},
+    leanest settings with micro-batches down to 1 row. A change the config refuses (bf16 weights with a weight
+    decay they cannot carry) is passed over. Returns the changed TrainConfig fields, or None when nothing fits."""
+    checkpointed = {"activation_checkpointing": True, "logprob_chunk_size": 256}
+    lean = {"weights": "bf16", **checkpointed}
+    changes = [{}, {"activation_checkpointing": True}, checkpointed,
                {"weights": "bf16"}, {"weights": "bf16", "activation_checkpointing": True}, lean]
     offload = [{}, {"offload_reference": True}] if cfg.kl_beta > 0 and cfg.parallel != "fsdp" else [{}]
     mb = cfg.micro_batch_size
     tries = [({**c, **o}, n) for c in changes for n in (mb, mb // 2, mb // 4) if n >= 1 for o in offload]
-    tries += [({**lean, **o}, mb >> k) for k in range(3, mb.bit_length()) for o in offload]
+    tries += [({**c, **o}, mb >> k) for k in range(3, mb.bit_length()) for c in (lean, checkpointed) for o in offload]
     for change, n in tries:
         change = {**change, "micro_batch_size": n}
         if 0 < cfg.logprob_chunk_size < change.get("logprob_chunk_size", 0):
             del change["logprob_chunk_size"]  # never a larger chunk
         diff = {k: v for k, v in change.items() if getattr(cfg, k) != v}
-        if diff and fits(replace(cfg, **diff)):
+        if diff and _valid(cfg, diff) and fits(replace(cfg, **diff)):
             return diff
     return None
+
+
+def _valid(cfg: TrainConfig, change: dict) -> bool:
+    """Whether TrainConfig accepts cfg with this change."""
+    try:
+        replace(cfg, **change)
+    except ValueError:
+        return False
+    return True

@@ -330,11 +330,14 @@ def build_qa(args, dist: distributed.Dist):
 def engine_shape(args, max_positions: int, train, test, world: int = 1) -> tuple[int, dict]:
     """(prompt budget, the rollout engine's size): block tables for the prompt budget (every prompt checked
     against it and the model's positions, task.prompt_budget) plus the completion budget, and this rank's
-    share of the rollout, B x G / W sequences, for the batch buckets and the KV pool."""
-    new_tokens = max(args.cfg.max_new_tokens, args.cfg.eval_max_new_tokens or 0)
-    used = [(train, len(train))] + ([(test, min(len(test), args.cfg.eval_limit or len(test)))] if test else [])
+    share of the rollout, B x G / W sequences, for the batch buckets and the KV pool (at least an evaluation
+    example's --eval-samples: its samples decode together)."""
+    cfg = args.cfg
+    new_tokens = max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0)
+    used = [(train, len(train))] + ([(test, min(len(test), cfg.eval_limit or len(test)))] if test else [])
     prompt_tokens = prompt_budget(used, max_positions, new_tokens, args.max_prompt_tokens)
-    return prompt_tokens, {"max_seq_len": prompt_tokens + new_tokens, "max_batch": args.cfg.rows_per_step // world}
+    rows = max(cfg.rows_per_step // world, cfg.eval_samples if test else 1)
+    return prompt_tokens, {"max_seq_len": prompt_tokens + new_tokens, "max_batch": rows}
 
 
 def build_backend(args, model, tokenizer, train, test, world: int = 1):

@@ -19,6 +19,7 @@ from minigrpo.engine.config import EngineConfig
 from minigrpo.engine.rollout import make_backend
 from minigrpo.model.config import ModelConfig
 from minigrpo.model.qwen2 import Qwen2ForCausalLM
+from minigrpo.model.sampling import SamplingParams
 from minigrpo.rl.config import TrainConfig
 from minigrpo.rl.memory import EAGER_FACTOR, estimate, parameter_count
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs
@@ -289,6 +290,12 @@ def test_each_rank_sizes_its_engine_to_its_share():
         assert engine.cfg.max_batch == 32 // world and engine.cfg.bucket_sizes()[-1] == 32 // world
         e = train.memory_estimator(args, model.config, tr, te, world)(args.cfg)
         assert nbytes(engine.kv.k + engine.kv.v) == e.resident["kv_pool"]
+    # an evaluation example's samples decode together: 32 of them on a rank whose rollout share is 8
+    args = train.parse_args(["--preset", "smoke", "--attn", "sdpa", "-B", "4", "-G", "8", "--eval-samples", "32",
+                             "--eval-temperature", "1"])
+    engine = train.build_backend(args, model, tok, tr, te, world=4)
+    assert engine.cfg.max_batch == 32
+    assert len(engine.generate([[1, 2]], 32, 2, SamplingParams(temperature=1.0), seeds=list(range(32))).tokens) == 32
 
 
 @pytest.mark.gpu

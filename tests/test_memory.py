@@ -353,3 +353,24 @@ def test_offloaded_weights_come_back_whole_and_leave_no_device_memory():
             with offload:
                 assert torch.equal(ref(ids), want)
             assert torch.cuda.memory_allocated() == released
+
+
+@pytest.mark.gpu
+def test_resume_reads_the_checkpoint_through_host_memory(tmp_path):
+    """Loading a checkpoint into a model on the GPU raises the device's peak by at most its largest tensor (the
+    copy of one tensor in flight), not by a second whole model, which a run at its memory limit has no room for."""
+    from minigrpo.run.checkpoints import load_checkpoint, save_checkpoint
+
+    model = random_model(tiny_config(head_dim=64, vocab=8192, layers=4), seed=0)  # 29 MB embedding, 60 MB in all
+    save_checkpoint(tmp_path, 1, model, {"config": {}, "optimizer": {}, "sampler": {}})
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    model = model.cuda()
+    for p in model.parameters():
+        p.data.zero_()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    load_checkpoint(tmp_path, model)
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    assert torch.cuda.max_memory_allocated() - before <= max(sizes) + 2**20 < sum(sizes)
+    assert all(torch.equal(v.cpu(), want[k]) for k, v in model.state_dict().items())  # the weights arrived

@@ -180,7 +180,7 @@ def test_resume_into_a_model_of_another_shape_is_one_line(tmp_path):
     save_checkpoint(tmp_path, 1, random_model(tiny_config(layers=2)), {})
     with pytest.raises(ValueError, match=r"its model has another shape than this run's \(checkpoint vs now: "
                                          r"num_hidden_layers 2 vs 3\); resume with the model it was trained from"):
-        load_checkpoint(tmp_path, random_model(tiny_config(layers=3)), "cpu")
+        load_checkpoint(tmp_path, random_model(tiny_config(layers=3)))
 
 
 def test_weights_with_nan_are_never_saved(tmp_path):

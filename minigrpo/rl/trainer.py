@@ -354,7 +354,7 @@ class Trainer:
         """Continue from a checkpoint (its directory, or a run directory's newest). Nothing on disk changes until
         training starts (`loop.run` rewinds the logs and `latest` to it), so a refused resume changes nothing."""
         ckpt = resolve_checkpoint(path)
-        state = load_checkpoint(ckpt, self.model, self.device)
+        state = load_checkpoint(ckpt, self.model)
         saved = state["config"]
         changed = {k: (saved.get(k), v) for k, v in asdict(self.cfg).items()
                    if k not in RESUMABLE_CHANGES and saved.get(k) != v}

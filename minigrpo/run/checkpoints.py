@@ -123,8 +123,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
                             f"or a run directory with checkpoints/{LATEST}; was the run saved (--save-every)?")
 
 
-def load_checkpoint(path: str | Path, model, device: str | torch.device) -> dict:
-    """Copy the checkpoint's weights into `model` (into its shards, under FSDP) and return the trainer state."""
+def load_checkpoint(path: str | Path, model) -> dict:
+    """Copy the checkpoint's weights into `model` (into its shards, under FSDP) and return the trainer state. The
+    weights are read into host memory, then copied tensor by tensor: no second full model on the device."""
     path = resolve_checkpoint(path)  # holds STATE_FILE
     ours, theirs = model.config, ModelConfig.from_json(path / "model" / "config.json")
     differ = [f"{k} {getattr(theirs, k)} vs {getattr(ours, k)}" for k in _SHAPE
@@ -132,7 +133,7 @@ def load_checkpoint(path: str | Path, model, device: str | torch.device) -> dict
     if differ:
         raise ValueError(f"cannot resume from {path}: its model has another shape than this run's "
                          f"(checkpoint vs now: {', '.join(differ)}); resume with the model it was trained from")
-    saved = load_model(path / "model", dtype=next(model.parameters()).dtype, device=device)
+    saved = load_model(path / "model", dtype=next(model.parameters()).dtype, device="cpu")
     set_model_state_dict(model, saved.state_dict(), options=StateDictOptions(full_state_dict=True))
     try:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from minigrpo.model.checkpoint import fsync_tree, load_model, replace_dir, save_model
 from minigrpo.model.config import ModelConfig
@@ -133,8 +134,11 @@ def load_checkpoint(path: str | Path, model) -> dict:
     if differ:
         raise ValueError(f"cannot resume from {path}: its model has another shape than this run's "
                          f"(checkpoint vs now: {', '.join(differ)}); resume with the model it was trained from")
-    saved = load_model(path / "model", dtype=next(model.parameters()).dtype, device="cpu")
-    set_model_state_dict(model, saved.state_dict(), options=StateDictOptions(full_state_dict=True))
+    saved = load_model(path / "model", dtype=next(model.parameters()).dtype, device="cpu").state_dict()
+    if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP: each full tensor in turn, cut to its shard
+        set_model_state_dict(model, saved, options=StateDictOptions(full_state_dict=True))
+    else:  # copied in place; set_model_state_dict would first copy the whole state dict to the device
+        model.load_state_dict(saved)
     try:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
         if not {"config", "optimizer", "sampler", "step"} <= state.keys():

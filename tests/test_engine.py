@@ -10,6 +10,7 @@ from minigrpo.engine.config import EngineConfig
 from minigrpo.engine.decode import decode_step
 from minigrpo.engine.engine import Engine
 from minigrpo.engine.kv_cache import SCRATCH_PAGE, OutOfPages
+from minigrpo.engine.rollout import ReferenceBackend
 from minigrpo.engine.runner import pad_prefill
 from minigrpo.model.generate import generate
 from minigrpo.model.sampling import GREEDY, SamplingParams
@@ -147,6 +148,11 @@ def test_bad_requests(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         engine.generate(kwargs["prompts"], kwargs["G"], kwargs["new"], GREEDY, stop_ids=kwargs.get("stop_ids", ()),
                         seeds=kwargs.get("seeds"))
+
+
+def test_the_reference_backend_refuses_an_empty_prompt(model):
+    with pytest.raises(ValueError, match="every prompt at least one token"):
+        ReferenceBackend(model, pad_id=0).generate([[1], []], 1, 4, GREEDY, (), seeds=[0, 1])
 
 
 def test_bad_engine_config_names_the_field():

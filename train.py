@@ -4,7 +4,7 @@ offline task on the CPU).
     python train.py                                  # Qwen2.5-0.5B-Instruct on GSM8K, fast engine on CUDA
     python train.py --model-dir BASE --task math --template r1 --eval-samples 8 --eval-temperature 1
                                                      # the Dr. GRPO paper's setting: a base model, R1 template
-    python train.py --preset smoke                   # CPU, tiny random model, synthetic task, ~1 minute
+    python train.py --preset smoke                   # CPU, tiny random model, synthetic task, under a minute
     python train.py --out runs/a --resume            # continue runs/a from its newest checkpoint, exactly
     torchrun --nproc-per-node 4 train.py -B 32       # data parallel: 8 prompts per rank, DDP update
     torchrun --nproc-per-node 4 train.py -B 32 --parallel fsdp   # the same, weights and AdamW state sharded
@@ -15,8 +15,9 @@ rollout batch (K = 1), advantages without std normalisation, loss normalised by 
 max_new_tokens), and no KL penalty (beta = 0: with a verifiable reward the KL anchor is unnecessary and
 only slows learning; set --beta > 0 to add the k3 KL to a frozen copy of the initial policy).
 
-Outputs in --out: metrics.jsonl (one JSON object per step), samples.jsonl, checkpoints/step_*/model (HF
-format) + trainer_state.pt, tensorboard/ with --tensorboard. A run never deletes another run's files: a
+Outputs in --out: metrics.jsonl (one JSON object per step), samples.jsonl, eval.jsonl (every evaluated
+completion and its verdict), checkpoints/step_*/model (HF format) + trainer_state.pt, tensorboard/ with
+--tensorboard. A run never deletes another run's files: a
 new run into an --out that holds one is refused unless --overwrite moves the old one aside.
 
 Ctrl-C (SIGINT) or SIGTERM: the run finishes its step, saves a checkpoint, prints the command that
@@ -172,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile-policy", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the policy's decoder layers for the training and scoring forwards "
                         "(fused elementwise ops, fewer kernel launches). Batch and length dimensions are "
-                        "dynamic: one graph per grad mode, compiled in the first step (default: on with CUDA)")
+                        "dynamic: one graph per grad mode, compiled in the first step (default: on with CUDA, unless "
+                        "--attn reference)")
     g.add_argument("--logprob-chunk-size", type=int, default=D.logprob_chunk_size,
                    help="tokens per LM-head chunk when computing log-probs (memory: up to chunk x vocab x 8 bytes, "
                         "minigrpo/rl/memory.py); 0 = full logits, the naive way (to compare memory)")

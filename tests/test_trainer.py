@@ -15,10 +15,10 @@ from minigrpo.engine.rollout import ReferenceBackend, make_backend
 from minigrpo.model.generate import Rollout, generate
 from minigrpo.model.sampling import SamplingParams
 from minigrpo.rl.config import WEIGHT_DTYPES, TrainConfig, lr_factor
-from minigrpo.rl.data import EpochSampler
+from minigrpo.rl.data import SHUFFLE, EpochSampler
 from minigrpo.rl.evaluate import evaluate
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
-from minigrpo.rl.trainer import _SHUFFLE, Trainer
+from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import STATE_FILE
 from minigrpo.run.metrics import MetricsLogger, PhaseTimer, compile_seconds
 from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
@@ -312,7 +312,7 @@ def test_each_minibatch_step_clips_ratios_and_gradient_as_an_independent_computa
     norms = []
     for k, (weights, got) in enumerate(steps):
         epoch, j = divmod(k, N // M)
-        order = np.random.default_rng([0, _SHUFFLE, 1, epoch]).permutation(N)       # seed 0, step 1
+        order = np.random.default_rng([0, SHUFFLE, 1, epoch]).permutation(N)       # seed 0, step 1
         policy = copy.deepcopy(initial)
         policy.load_state_dict(weights)
         loss = 0.0

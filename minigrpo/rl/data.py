@@ -1,4 +1,4 @@
-"""Seeded streams: the prompt order, and the seeds of rollouts, evaluation and rounding.
+"""Seeded streams: the prompt order, and the seeds of rollouts, evaluation, the minibatch shuffle and rounding.
 
 Every random number is a pure function of (seed, stream tag, step, ...), never a generator's state, so a
 resumed run reproduces an uninterrupted one. The prompt order is an endless stream of example indices, a
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-_STREAM = 0x5EED_DA7A  # keeps this stream of random numbers apart from other (seed, ...) users
+# Stream tags, one per user of (seed, tag, ...): the prompt order, the rollout's sampling seeds, the update's
+# minibatch shuffle, the bf16 optimizer's rounding noise and the evaluation's sampling seeds.
+ORDER, ROLLOUT, SHUFFLE, ROUNDING, EVAL = 0x5EED_DA7A, 0x5A3D, 0x5AFF, 0x5A40, 0xE7A1
 
 
 def derive_seeds(seed: int, tag: int, step: int, n: int) -> list[int]:
@@ -31,7 +33,7 @@ class EpochSampler:
         while len(out) < k:
             if self.pos == self.num_examples:
                 self.epoch, self.pos = self.epoch + 1, 0
-            order = np.random.default_rng([self.seed, _STREAM, self.epoch]).permutation(self.num_examples)
+            order = np.random.default_rng([self.seed, ORDER, self.epoch]).permutation(self.num_examples)
             take = min(k - len(out), self.num_examples - self.pos)
             out += order[self.pos:self.pos + take].tolist()
             self.pos += take

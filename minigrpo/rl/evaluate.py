@@ -15,10 +15,8 @@ import torch
 from tqdm import tqdm
 
 from minigrpo.model.sampling import SamplingParams
-from minigrpo.rl.data import derive_seeds
+from minigrpo.rl.data import EVAL, derive_seeds
 from minigrpo.rl.distributed import Dist
-
-_EVAL = 0xE7A1  # keeps the evaluation's sampling seeds apart from other (seed, ...) users
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -47,7 +45,7 @@ def evaluate(backend, task, *, max_new_tokens: int, batch_size: int = 128, limit
               disable=None if progress and dist.is_main else True) as bar:
         for start in range(0, len(mine), batch_size):
             ids = mine[start:start + batch_size]
-            seeds = [s for i in ids for s in derive_seeds(seed, _EVAL, i, k)]
+            seeds = [s for i in ids for s in derive_seeds(seed, EVAL, i, k)]
             rollout = backend.generate([task.prompt(i) for i in ids], k, max_new_tokens, params,
                                        task.stops.backend_stops, seeds)
             rollout, stopped = task.stops.cut(rollout)

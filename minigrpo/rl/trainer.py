@@ -34,7 +34,7 @@ from torch.distributed.checkpoint import state_dict as dcp
 
 from minigrpo.model.sampling import SamplingParams
 from minigrpo.rl.config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
-from minigrpo.rl.data import EpochSampler, derive_seeds
+from minigrpo.rl.data import ROLLOUT, ROUNDING, SHUFFLE, EpochSampler, derive_seeds
 from minigrpo.rl.distributed import Dist, GradSync, frozen_forward
 from minigrpo.rl.grpo import dr_grpo_loss, group_advantages, nonzero_groups, truncated_is_weights
 from minigrpo.rl.offload import HostOffload
@@ -45,7 +45,6 @@ from minigrpo.run.checkpoints import load_checkpoint, resolve_checkpoint, save_c
 from minigrpo.run.metrics import PhaseTimer
 from minigrpo.run.stopping import NonFiniteError, nonfinite
 
-_ROLLOUT, _SHUFFLE, _ROUND = 0x5A3D, 0x5AFF, 0x5A40  # stream tags for (seed, tag, step, ...) derivation
 RECOMPILE_LIMIT = 32  # graphs one compiled decoder layer may need before that is an error (_fail_past_recompile_limit)
 # Inductor fuses a norm's two backward reductions (over rows, over columns) above a size and by default guards on it:
 # a graph more whenever a micro-batch crosses B x T x C = 5 x 2^20. Non-strict mode, where torch has it: no such guard.
@@ -174,7 +173,7 @@ class Trainer:
         stop. Returns (example indices, prompt token lists, Rollout, whether each completion stopped)."""
         cfg, dist = self.cfg, self.dist
         examples = dist.shard(self.sampler.next(cfg.prompts_per_step))
-        seeds = dist.shard(derive_seeds(cfg.seed, _ROLLOUT, self.step_idx, cfg.rows_per_step))
+        seeds = dist.shard(derive_seeds(cfg.seed, ROLLOUT, self.step_idx, cfg.rows_per_step))
         prompts = [self.task.prompt(i) for i in examples]
         rollout = self.backend.generate(prompts, cfg.samples_per_prompt, cfg.max_new_tokens, self.params,
                                         self.task.stops.backend_stops, seeds)
@@ -259,7 +258,7 @@ class Trainer:
         N, M, R = cfg.rows_per_step, cfg.rows_per_minibatch, cfg.rows_per_step // W
         train_all = train_all.tolist()
         for epoch in range(cfg.inner_epochs):
-            order = np.random.default_rng([cfg.seed, _SHUFFLE, self.step_idx, epoch]).permutation(N).tolist()
+            order = np.random.default_rng([cfg.seed, SHUFFLE, self.step_idx, epoch]).permutation(N).tolist()
             for start in range(0, N, M):
                 drawn = [r for r in order[start:start + M] if train_all[r]]
                 if drawn:
@@ -291,7 +290,7 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
         finite = bool(torch.isfinite(norm))
         if finite and isinstance(self.optimizer, StochasticAdamW):  # its rounding noise: a function of (seed, step, k)
-            self.optimizer.step(derive_seeds(self.cfg.seed, _ROUND, self.step_idx, k + 1)[k])  # k-th of any count
+            self.optimizer.step(derive_seeds(self.cfg.seed, ROUNDING, self.step_idx, k + 1)[k])  # k-th of any count
         elif finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

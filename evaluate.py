@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from minigrpo.engine.rollout import make_backend
+from minigrpo.engine.rollout import ATTN_BACKENDS, make_backend
 from minigrpo.model.checkpoint import load_model
 from minigrpo.model.tokenizer import Tokenizer
 from minigrpo.rl import distributed
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds the sampled completions (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="generation budget per answer (default 512)")
     p.add_argument("--batch-size", type=int, default=128, help="prompts generated together (default 128)")
-    p.add_argument("--attn", choices=["reference", "eager", "sdpa", "triton"], default=None,
+    p.add_argument("--attn", choices=ATTN_BACKENDS, default=None,
                    help="rollout backend: the reference generator or the fast engine with this attention "
                         "(default: triton on CUDA, reference on CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",

@@ -114,6 +114,23 @@ def test_out_rules(tmp_path):
         check_out(tmp_path / "file", resume=None, overwrite=False)
 
 
+def test_overwrite_moves_only_a_folder_that_holds_nothing_but_a_run(tmp_path, monkeypatch):
+    run_only = tmp_path / "run"
+    (run_only / "checkpoints").mkdir(parents=True)
+    (run_only / "metrics.jsonl").write_text("")
+    check_out(run_only, resume=None, overwrite=True)
+    project = tmp_path / "project"  # a run written into a folder of other work: --out .
+    (project / "checkpoints").mkdir(parents=True)
+    (project / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"would move all of --out .*project aside, and it holds more than a run "
+                                         r"\(notes.txt\); choose another --out"):
+        check_out(project, resume=None, overwrite=True)
+    monkeypatch.chdir(run_only / "checkpoints")
+    with pytest.raises(ValueError, match=r"would move --out \.\., the folder you are working in"):
+        check_out(Path(".."), resume=None, overwrite=True)
+    assert (project / "notes.txt").exists() and run_only.exists()
+
+
 def test_a_fresh_logger_never_deletes_records(tmp_path):
     MetricsLogger(tmp_path, echo=False).log({"step": 1})
     with pytest.raises(FileExistsError, match="metrics.jsonl exists: it holds another run's records"):

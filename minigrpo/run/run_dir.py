@@ -1,7 +1,8 @@
 """A run's output folder (--out): no command deletes another run's files, or mixes two runs in one folder.
 
 A folder "holds a run" once it has any of RUN_FILES. A new run into it is refused unless it continues that
-run (--resume) or moves it aside to `<out>.old-<time>` (--overwrite, which deletes nothing); so is resuming
+run (--resume) or moves it aside to `<out>.old-<time>` (--overwrite, which deletes nothing, and moves only a
+folder that holds nothing but a run, and not the one the process works in); so is resuming
 a checkpoint from elsewhere into it. While a run writes to a folder it holds a lock on it (`locked_out`), so a
 second run there (a job requeued while the first still runs) is refused.
 """
@@ -35,6 +36,8 @@ def check_out(out: Path, *, resume: str | None, overwrite: bool) -> None:
     resumes_out = resume == "" or (resume is not None and Path(resume).resolve().is_relative_to(out.resolve()))
     if overwrite and resumes_out:
         raise ValueError("--overwrite moves the run in --out aside, --resume continues it: pass one of them")
+    if overwrite and found:
+        _check_movable(out)
     if not found or overwrite or resumes_out:
         return
     held = f"--out {out} already holds a run ({', '.join(found)})"
@@ -42,6 +45,19 @@ def check_out(out: Path, *, resume: str | None, overwrite: bool) -> None:
         raise ValueError(f"{held}; add --resume to continue it, choose a new --out, or pass --overwrite to move "
                          f"it aside to {out}.old-<time>")
     raise ValueError(f"{held}; resuming {resume} into it would mix two runs: choose a new --out")
+
+
+def _check_movable(out: Path) -> None:
+    """--overwrite renames the whole folder: refuse when that would carry off more than a run, or the folder this
+    process works in (a relative --out would then name the moved folder)."""
+    others = sorted(p.name for p in out.iterdir() if p.name not in RUN_FILES)
+    if others:
+        shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        raise ValueError(f"--overwrite would move all of --out {out} aside, and it holds more than a run ({shown}); "
+                         f"choose another --out, or move the run's files ({', '.join(RUN_FILES)}) yourself")
+    if Path.cwd().resolve().is_relative_to(out.resolve()):
+        raise ValueError(f"--overwrite would move --out {out}, the folder you are working in; run from outside it, "
+                         f"or choose another --out")
 
 
 def move_aside(out: Path) -> Path | None:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from minigrpo.engine.rollout import ReferenceBackend
 from minigrpo.rl.config import TrainConfig
 from minigrpo.rl.trainer import Trainer
-from minigrpo.run.checkpoints import LATEST, load_checkpoint, resolve_checkpoint, save_checkpoint
+from minigrpo.run.checkpoints import LATEST, latest_name, load_checkpoint, resolve_checkpoint, save_checkpoint
 from minigrpo.run.metrics import LEGEND, DamagedLog, MetricsLogger
 from minigrpo.run.run_dir import check_out
 from minigrpo.run.stopping import NonFiniteError
@@ -479,3 +479,20 @@ def test_prompts_past_max_prompt_tokens_are_refused():
     with pytest.raises(ValueError, match=r"--max-prompt-tokens 60 plus 8 new tokens exceeds the model's 64 "
                                          r"positions; use at most 56"):
         prompt_budget([(_Prompts([5]), 1)], max_positions=64, max_new_tokens=8, limit=60)
+
+
+@pytest.mark.parametrize("fails", ["weights", "state"])
+def test_a_failed_checkpoint_write_is_an_os_error_and_leaves_nothing_behind(tmp_path, monkeypatch, fails):
+    """A full disk: safetensors and torch.save report it as SafetensorError / RuntimeError, which train.py's one-line
+    handler (OSError) would not catch; the half-written folder goes, and `latest` still names the last good step."""
+    from safetensors import SafetensorError
+
+    model, root = tiny_policy(13, seed=0), tmp_path / "checkpoints"
+    save_checkpoint(root, 1, model, {})
+
+    def full_disk(*args, **kwargs):
+        raise (SafetensorError if fails == "weights" else RuntimeError)("unexpected pos 640 vs 512")
+    monkeypatch.setattr("minigrpo.model.checkpoint.save_file" if fails == "weights" else "torch.save", full_disk)
+    with pytest.raises(OSError, match="failed: unexpected pos 640 vs 512"):
+        save_checkpoint(root, 2, model, {})
+    assert latest_name(root) == "step_000001" and sorted(p.name for p in root.iterdir()) == [LATEST, "step_000001"]

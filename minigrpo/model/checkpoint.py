@@ -7,6 +7,7 @@ loads as-is, atomically: into a temporary sibling renamed into place only when c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -108,17 +109,33 @@ def save_model(model: Qwen2ForCausalLM, out_dir: str | Path, *, tokenizer_dir: s
              if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     saved_dtype = next(iter(state.values())).dtype
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(state, tmp / SINGLE_FILE, metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(str(saved_dtype).removeprefix("torch.")), indent=2))
-    gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id)) if v is not None}
-    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))  # unless the source has its own
-    for name in COPIED_FILES if tokenizer_dir is not None else ():
-        if (Path(tokenizer_dir) / name).is_file():
-            shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
+    with written(tmp, f"the model to {out_dir}"):
+        save_file(state, tmp / SINGLE_FILE, metadata={"format": "pt"})
+        config = cfg.to_hf_dict(str(saved_dtype).removeprefix("torch."))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id))
+               if v is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))  # unless the source has its own
+        for name in COPIED_FILES if tokenizer_dir is not None else ():
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
     replace_dir(tmp, out_dir)
     return out_dir
+
+
+@contextlib.contextmanager
+def written(tmp: Path, what: str):
+    """Write into the fresh folder `tmp` inside. A failed write (a full disk: torch.save and safetensors report
+    it as RuntimeError / SafetensorError, not OSError) removes `tmp` and is an OSError that names `what`."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield
+    except (OSError, RuntimeError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise
+        raise OSError(f"writing {what} failed: {e}") from e
 
 
 def fsync_tree(path: Path, recursive: bool = True) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from minigrpo.model.checkpoint import fsync_tree, load_model, replace_dir, save_model
+from minigrpo.model.checkpoint import fsync_tree, load_model, replace_dir, save_model, written
 from minigrpo.model.config import ModelConfig
 
 STATE_FILE = "trainer_state.pt"
@@ -46,10 +46,9 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *, wei
     if latest_name(ckpt_root) == final.name and (final / STATE_FILE).is_file():
         return final
     tmp = ckpt_root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(model, tmp / "model", tokenizer_dir=tokenizer_dir, weights=weights)
-    torch.save({**state, "step": step}, tmp / STATE_FILE)
+    with written(tmp, f"checkpoint {final}"):
+        save_model(model, tmp / "model", tokenizer_dir=tokenizer_dir, weights=weights)
+        torch.save({**state, "step": step}, tmp / STATE_FILE)
     replace_dir(tmp, final)  # re-saving a step after a resume rewound the run: the new one replaces it
     set_latest(ckpt_root, final.name)
     if keep > 0:

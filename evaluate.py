@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -102,12 +103,14 @@ def main(argv: list[str] | None = None) -> None:
                          reward_mode=args.reward, question_field=args.question_field, answer_field=args.answer_field)
         dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
         model = load_model(model_dir, dtype=dtype, device=args.device).eval()
+        tokenizer.check_fits(model.config.vocab_size, model_dir)
         n = min(len(task), args.limit or len(task))
         prompt_tokens = prompt_budget([(task, n)], model.config.max_position_embeddings, args.max_new_tokens)
         attn = args.attn or ("triton" if model.lm_head.weight.is_cuda else "reference")
         backend = make_backend(attn, model, pad_id=tokenizer.pad_id, max_seq_len=prompt_tokens + args.max_new_tokens)
-    except (OSError, ValueError, RuntimeError, ImportError) as e:
-        raise SystemExit(f"error: {e}") from None
+    except (OSError, ValueError, RuntimeError, ImportError) as e:  # bad input: exit 2, as train.py and argparse
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         res = evaluate(backend, task, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                        limit=args.limit, samples=args.eval_samples, temperature=args.eval_temperature, seed=args.seed,

@@ -83,7 +83,9 @@ def build_qa(args, dist: distributed.Dist):
                  answer_field=args.answer_field)
     train = load_task(args.task, "train", tokenizer, path=args.train_data, **flags)
     test = load_task(args.task, "test", tokenizer, path=args.test_data, **flags) if args.cfg.eval_every else None
-    check_memory(args, ModelConfig.from_json(model_dir), train, test, dist)  # before any weight is on the device
+    model_cfg = ModelConfig.from_json(model_dir)
+    tokenizer.check_fits(model_cfg.vocab_size, model_dir)
+    check_memory(args, model_cfg, train, test, dist)  # before any weight is on the device
     model = load_model(model_dir, dtype=WEIGHT_DTYPES[args.weights], device=args.device)  # the trained copy
     return model, tokenizer, train, test, model_dir
 

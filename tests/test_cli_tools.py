@@ -142,3 +142,21 @@ def test_ctrl_c_during_the_evaluation_is_one_line_and_writes_nothing(tmp_path, t
 def test_evaluate_on_cuda_without_cuda_says_to_use_the_cpu(tmp_path):
     refused(run(["evaluate.py", "--model-dir", str(tmp_path / "no-model"), "--device", "cuda"]),
             "--device cuda: CUDA is not available here; use --device cpu")
+
+
+def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path):
+    """Qwen2.5's tokenizer (151,665 ids) beside a model of 1,000 embedding rows: both commands refuse it at load, not
+    with an IndexError from the first forward."""
+    from conftest import QWEN_DIR, random_model
+
+    from minigrpo.model.checkpoint import save_model
+    if not QWEN_DIR.exists():
+        pytest.skip(f"no tokenizer at {QWEN_DIR}")
+    model_dir = save_model(random_model(tiny_config(vocab=1000)), tmp_path / "m", tokenizer_dir=QWEN_DIR)
+    message = "the tokenizer has 151665 token ids but the model's embedding only 1000"
+    refused(run(["evaluate.py", "--model-dir", str(model_dir), "--test-data", str(GSM8K_TEST), "--device", "cpu",
+                 "--limit", "1"]), message)
+    proc = run(["train.py", "--model-dir", str(model_dir), "--train-data", str(GSM8K_TEST), "--eval-every", "0",
+                "--device", "cpu", "--out", str(tmp_path / "run")])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and message in proc.stderr.splitlines()[-1]
+    assert not (tmp_path / "run").exists()  # the folder it made for the run, left empty, is gone

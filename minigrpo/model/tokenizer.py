@@ -91,6 +91,14 @@ class Tokenizer:
         """Number of token ids the tokenizer can produce (BPE vocab + added/special tokens)."""
         return self._bpe.get_vocab_size(with_added_tokens=True)
 
+    def check_fits(self, model_vocab_size: int, model_dir: str | Path) -> None:
+        """Refuse a model whose embedding has fewer rows than this tokenizer has ids (its tokenizer files are
+        another model's): a prompt token past the table would fail deep inside the first forward."""
+        if self.vocab_size > model_vocab_size:
+            raise ValueError(f"{model_dir}: the tokenizer has {self.vocab_size} token ids but the model's embedding "
+                             f"only {model_vocab_size}; its tokenizer files belong to another model: put the "
+                             f"model's own beside its config.json")
+
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids. Adds no BOS/EOS (Qwen uses none). Special-token strings in `text` become special ids."""
         return self._bpe.encode(text, add_special_tokens=False).ids

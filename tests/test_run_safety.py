@@ -109,6 +109,12 @@ def test_out_rules(tmp_path):
         check_out(used, resume="", overwrite=True)
     with pytest.raises(ValueError, match=r"already holds a run \(checkpoints\); resuming .*other.* would mix two"):
         check_out(used, resume=str(tmp_path / "other"), overwrite=False)
+    with pytest.raises(ValueError, match=r"already holds a run \(checkpoints\) that saved no checkpoint, so it cannot "
+                                         r"continue; pass --overwrite to move it aside"):
+        check_out(used, resume=None, overwrite=False)  # stopped before its first save: --resume would find nothing
+    (used / "checkpoints" / LATEST).write_text("step_000002\n")
+    with pytest.raises(ValueError, match=r"already holds a run \(checkpoints\); add --resume to continue it"):
+        check_out(used, resume=None, overwrite=False)
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"--out .*file is a file, not a folder; choose another --out"):
         check_out(tmp_path / "file", resume=None, overwrite=False)

@@ -16,6 +16,8 @@ import time
 import warnings
 from pathlib import Path
 
+from minigrpo.run.checkpoints import LATEST
+
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "eval.jsonl", "checkpoints", "tensorboard")
 
 
@@ -41,6 +43,9 @@ def check_out(out: Path, *, resume: str | None, overwrite: bool) -> None:
     if not found or overwrite or resumes_out:
         return
     held = f"--out {out} already holds a run ({', '.join(found)})"
+    if resume is None and not (out / "checkpoints" / LATEST).is_file():  # stopped before its first checkpoint
+        raise ValueError(f"{held} that saved no checkpoint, so it cannot continue; pass --overwrite to move it aside "
+                         f"to {out}.old-<time> and start afresh, or choose a new --out")
     if resume is None:
         raise ValueError(f"{held}; add --resume to continue it, choose a new --out, or pass --overwrite to move "
                          f"it aside to {out}.old-<time>")

@@ -382,6 +382,18 @@ def test_an_unreadable_trainer_state_is_one_line(tmp_path):
     assert "trainer_state.pt cannot be read" in resumed.stderr.splitlines()[-1]
 
 
+def test_a_foreign_trainer_state_is_named_in_one_line(tmp_path):
+    model = tiny_policy(13, seed=0)
+    state = save_checkpoint(tmp_path, 1, model, {}) / "trainer_state.pt"
+    state.write_bytes(b"garbage")  # torch's own message goes on to suggest weights_only=False: unsafe, and not ours
+    with pytest.raises(ValueError) as e:
+        load_checkpoint(tmp_path, model)
+    assert "\n" not in str(e.value) and "weights_only" not in str(e.value) and "cannot be read" in str(e.value)
+    torch.save({"config": {}, "step": 1}, state)
+    with pytest.raises(ValueError, match=r"cannot be read \(KeyError: 'it lacks optimizer, sampler'\)"):
+        load_checkpoint(tmp_path, model)
+
+
 POISON = """
 import sys, torch, train
 step = torch.optim.AdamW.step

@@ -18,6 +18,7 @@ RNG state is saved: training draws every random number from (seed, step, ...).
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import time
 from pathlib import Path
@@ -140,9 +141,12 @@ def load_checkpoint(path: str | Path, model) -> dict:
         model.load_state_dict(saved)
     try:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
-        if not {"config", "optimizer", "sampler", "step"} <= state.keys():
-            raise KeyError(sorted(state))
+        missing = sorted({"config", "optimizer", "sampler", "step"} - state.keys())
+        if missing:
+            raise KeyError(f"it lacks {', '.join(missing)}")
     except Exception as e:  # truncated, not a torch file, or not ours: the message names the file, not the parser
-        raise ValueError(f"{path / STATE_FILE} cannot be read ({type(e).__name__}: {e}); resume from another "
+        why = ("not a torch file of tensors and plain values" if isinstance(e, pickle.UnpicklingError)  # torch's
+               else (str(e).strip().splitlines() or [""])[0])  # own message suggests loading it unsafely
+        raise ValueError(f"{path / STATE_FILE} cannot be read ({type(e).__name__}: {why}); resume from another "
                          f"checkpoint") from e
     return state

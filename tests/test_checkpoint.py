@@ -55,6 +55,9 @@ def test_save_replaces_an_existing_checkpoint_atomically(tmp_path):
     save_model(second, tmp_path / "ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary or old directory left
     assert torch.equal(load_model(tmp_path / "ckpt", torch.float32).model.norm.weight, second.model.norm.weight)
+    # as readable as config.json: safetensors alone writes 0600, hiding the weights from a shared folder's other users
+    mode = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "ckpt").iterdir()}
+    assert mode["model.safetensors"] == mode["config.json"]
 
 
 

@@ -113,6 +113,7 @@ def save_model(model: Qwen2ForCausalLM, out_dir: str | Path, *, tokenizer_dir: s
         save_file(state, tmp / SINGLE_FILE, metadata={"format": "pt"})
         config = cfg.to_hf_dict(str(saved_dtype).removeprefix("torch."))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        shutil.copymode(tmp / "config.json", tmp / SINGLE_FILE)  # safetensors writes 0600: the umask's mode instead
         gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id))
                if v is not None}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))  # unless the source has its own

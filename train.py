@@ -98,7 +98,8 @@ def engine_shape(args, max_positions: int, train, test, world: int = 1) -> tuple
     cfg = args.cfg
     new_tokens = max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0)
     used = [(train, len(train))] + ([(test, min(len(test), cfg.eval_limit or len(test)))] if test else [])
-    prompt_tokens = prompt_budget(used, max_positions, new_tokens, args.max_prompt_tokens)
+    flag = "--max-new-tokens" if new_tokens == cfg.max_new_tokens else "--eval-max-new-tokens"
+    prompt_tokens = prompt_budget(used, max_positions, new_tokens, args.max_prompt_tokens, flag)
     rows = max(cfg.rows_per_step // world, cfg.eval_samples if test else 1)
     return prompt_tokens, {"max_seq_len": prompt_tokens + new_tokens, "max_batch": rows}
 

@@ -298,6 +298,15 @@ def test_each_rank_sizes_its_engine_to_its_share():
     assert len(engine.generate([[1, 2]], 32, 2, SamplingParams(temperature=1.0), seeds=list(range(32))).tokens) == 32
 
 
+def test_the_prompt_budget_error_names_the_flag_that_set_the_budget():
+    for flags, named in ((["--max-new-tokens", "100"], "--max-new-tokens 100"),
+                         (["--eval-max-new-tokens", "100"], "--eval-max-new-tokens 100")):
+        args = train.parse_args(["--preset", "smoke", *flags])
+        model, tok, tr, te, _ = train.build_smoke(args)
+        with pytest.raises(ValueError, match=f"^{named} leaves no room for a prompt in the model's 64 positions"):
+            train.engine_shape(args, model.config.max_position_embeddings, tr, te)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("flags", ["default", "lean", "lean-offload"])
 def test_estimate_bounds_the_measured_peak_on_the_gpu(tmp_path, flags):

@@ -86,12 +86,13 @@ def add_task_flags(p) -> None:
 
 
 def prompt_budget(tasks: Sequence[tuple[Task, int]], max_positions: int, max_new_tokens: int,
-                  limit: int | None = None) -> int:
+                  limit: int | None = None, new_tokens_flag: str = "--max-new-tokens") -> int:
     """The prompt budget in tokens: `limit` (--max-prompt-tokens), else the longest prompt of the first n examples
-    of each (task, n) in `tasks`. A longer prompt is an error, never truncated or dropped silently."""
+    of each (task, n) in `tasks`. A longer prompt is an error, never truncated or dropped silently. The errors
+    name max_new_tokens by `new_tokens_flag`, the flag that set it."""
     room = max_positions - max_new_tokens
     if room < 1:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
+        raise ValueError(f"{new_tokens_flag} {max_new_tokens} leaves no room for a prompt in the model's "
                          f"{max_positions} positions")
     if limit is not None and limit > room:
         raise ValueError(f"--max-prompt-tokens {limit} plus {max_new_tokens} new tokens exceeds the model's "
@@ -104,7 +105,7 @@ def prompt_budget(tasks: Sequence[tuple[Task, int]], max_positions: int, max_new
         where = task.describe(i).get("source") or f"example {i}"
         what, fix = ((f"--max-prompt-tokens {limit}", "raise --max-prompt-tokens") if limit is not None else
                      ((f"the {room} tokens that the model's {max_positions} positions leave after {max_new_tokens} "
-                       f"new tokens"), "lower --max-new-tokens"))
+                       f"new tokens"), f"lower {new_tokens_flag}"))
         raise ValueError(f"{len(over)} of {len(lengths)} prompts are longer than {what} (longest: {longest} tokens, "
                          f"{where}); remove or shorten them, or {fix}")
     return budget if limit is not None else max(n for n, _, _ in lengths)

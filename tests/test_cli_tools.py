@@ -160,3 +160,13 @@ def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path):
                 "--device", "cpu", "--out", str(tmp_path / "run")])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and message in proc.stderr.splitlines()[-1]
     assert not (tmp_path / "run").exists()  # the folder it made for the run, left empty, is gone
+
+
+def test_a_checkpoint_folder_as_model_dir_points_at_its_model(tmp_path):
+    from weights.download import resolve_model_dir
+
+    (tmp_path / "step_000050" / "model").mkdir(parents=True)
+    (tmp_path / "step_000050" / "model" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"step_000050 is a checkpoint, not a model directory: pass "
+                                                r"--model-dir .*step_000050/model$"):
+        resolve_model_dir(tmp_path / "step_000050")

@@ -101,6 +101,9 @@ def resolve_model_dir(model_dir: str | Path | None) -> Path:
     missing."""
     if model_dir is not None:
         model_dir = Path(model_dir)
+        if (model_dir / "model" / "config.json").is_file():  # a training checkpoint: its model is one level down
+            raise FileNotFoundError(f"{model_dir} is a checkpoint, not a model directory: pass --model-dir "
+                                    f"{model_dir / 'model'}")
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json); download one with "
                                     f"`python weights/download.py --out {model_dir}`")

@@ -117,7 +117,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="truncated importance sampling: weight each token's loss by min(pi_old / pi_rollout, CAP), "
                         "correcting for the rollout engine's own (bf16) distribution")
     g.add_argument("--no-tis", dest="tis", action="store_false",
-                   help="no importance-sampling correction (the mismatch is still logged)")
+                   help="no importance-sampling correction (the mismatch is still logged; default: corrected)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, default=D.lr, help="AdamW peak learning rate")
     g.add_argument("--betas", type=float, nargs=2, default=D.betas, metavar=("B1", "B2"), help="AdamW betas")

@@ -59,6 +59,7 @@ def test_help_documents_every_flag_and_each_default_once():
     (["--eval-samples", "4"], "--eval-samples=4 needs --eval-temperature > 0"),
     (["--model-dir", "/nonexistent/model"], "/nonexistent/model is not a model directory"),
     (["--device", "banana"], "--device banana: not a torch device; use cpu, cuda or cuda:N"),
+    (["--preset", "smoke", "--out", ""], "--out is empty; name the run's folder"),
     (["--lr", "inf"], "--lr must be a finite number, got inf"),
     (["--beta", "nan"], "--beta must be a finite number, got nan"),
     (["--lr=-1e-3"], "--lr must be in (0, 1), got -0.001"),

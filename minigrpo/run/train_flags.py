@@ -190,6 +190,8 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
     args = parser.parse_args(argv)
     device = parse_device(parser, args.device)
     args.attn = args.attn or ("triton" if device.type == "cuda" else "reference")
+    if args.out == "":  # Path("") is the current folder
+        parser.error("--out is empty; name the run's folder (default: runs/<preset>)")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         parser.error(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     same = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name in vars(args)}  # flag = field

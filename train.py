@@ -249,6 +249,12 @@ def _train(args, dist, out: Path, argv: list[str], locks: contextlib.ExitStack) 
             resume = f"; resume with: {resume_command(argv)}" if latest_name(out / "checkpoints") else ""
             print(f"stopped at once; {_last_checkpoint(out)}{resume}", file=sys.stderr)
         return 130
+    except torch.OutOfMemoryError as e:  # past the estimate (another process took memory, a longer batch than seen)
+        if dist.is_main:
+            print(f"error: out of GPU memory ({str(e).splitlines()[0]}); {_last_checkpoint(out)}. Resume with a "
+                  f"smaller --micro-batch-size or --score-batch-size, or --recompute-layers auto (memory settings "
+                  f"resume exactly)", file=sys.stderr)
+        return 1
     except OSError as e:  # a full disk or a lost mount mid-run: saves are atomic, so the last complete one stands
         if dist.is_main:
             print(f"error: {e}; {_last_checkpoint(out)}", file=sys.stderr)

@@ -421,6 +421,29 @@ def test_a_nan_weight_stops_the_run_without_saving_it(tmp_path):
         assert all(t.isfinite().all() for t in load_file(ckpt / "model" / "model.safetensors").values())
 
 
+OOM = """
+import sys, torch, train
+from minigrpo.rl.trainer import Trainer
+step = Trainer.step
+def short_of_memory(self):  # the third step finds the GPU full
+    if self.step_idx == 2:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\\nmore lines")
+    return step(self)
+Trainer.step = short_of_memory
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_out_of_memory_mid_run_is_one_line_that_says_how_to_resume(tmp_path):
+    out = tmp_path / "run"
+    proc = run(["-c", OOM, *SMALL[1:], "--steps", "5", "--save-every", "1", "--out", str(out)])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB.); the last complete checkpoint "
+        f"is {out}/checkpoints/step_000002. Resume with a smaller --micro-batch-size or --score-batch-size, or "
+        f"--recompute-layers auto (memory settings resume exactly)")
+
+
 def _comparable(path: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(ln).items() if not any(t in k for t in _TIMING)}
             for ln in path.read_text().splitlines()]

@@ -54,8 +54,11 @@ def test_random_init_keeps_a_non_empty_out_unless_told_to_overwrite(tmp_path, co
             f"--out {out} already exists and is not empty; pass --overwrite to replace it")
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
 
+    refused(run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(out), "--overwrite",
+                 "--tokenizer-dir", str(tmp_path)]), f"--tokenizer-dir {tmp_path} holds no tokenizer.json")
     proc = run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(out), "--overwrite"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "without a tokenizer" in proc.stdout  # no tokenizer beside the config: said, not left to train.py
     assert not (out / "notes.txt").exists() and load_model(out, torch.float32).config.num_hidden_layers == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model"]  # no temporary directory left
 

@@ -150,9 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         out = check_out(p, args.out, random_init=True, overwrite=args.overwrite)
         if args.config is not None:
             check_config(p, args.config)
-        if args.tokenizer_dir is not None and not args.tokenizer_dir.is_dir():
-            p.error(f"--tokenizer-dir {args.tokenizer_dir} is not a directory; pass the folder holding "
-                    f"tokenizer.json")
+        if args.tokenizer_dir is not None and not (args.tokenizer_dir / "tokenizer.json").is_file():
+            p.error(f"--tokenizer-dir {args.tokenizer_dir} holds no tokenizer.json; pass the folder holding it")
         with tempfile.TemporaryDirectory() as tmp:
             config = args.config or download(args.repo, Path(tmp), args.revision, allow=NO_WEIGHTS)
             tok_dir = args.tokenizer_dir or (config if config.is_dir() else config.parent)
@@ -160,7 +159,10 @@ def main(argv: list[str] | None = None) -> None:
                 write_random(config, out, args.seed, getattr(torch, args.dtype), tok_dir, args.device)
             except (OSError, ValueError) as e:  # the Hub's config unsupported, --out unwritable, disk full
                 p.exit(1, f"error: {e}\n")
-        print(f"wrote a random-initialised model to {args.out}")
+            missing = "" if (tok_dir / "tokenizer.json").is_file() else (
+                f", without a tokenizer (none in {tok_dir}): train.py and evaluate.py need one, so rerun with "
+                f"--tokenizer-dir")
+        print(f"wrote a random-initialised model to {args.out}{missing}")
     else:
         out = check_out(p, args.out or DEFAULT_DIR, random_init=False, overwrite=False)
         download(args.repo, out, args.revision)

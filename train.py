@@ -85,7 +85,7 @@ def build_qa(args, dist: distributed.Dist):
     test = load_task(args.task, "test", tokenizer, path=args.test_data, **flags) if args.cfg.eval_every else None
     model_cfg = ModelConfig.from_json(model_dir)
     tokenizer.check_fits(model_cfg.vocab_size, model_dir)
-    check_memory(args, model_cfg, train, test, dist)  # before any weight is on the device
+    args.cfg = fit_memory(args, model_cfg, train, test, dist)  # before any weight is on the device
     model = load_model(model_dir, dtype=WEIGHT_DTYPES[args.weights], device=args.device)  # the trained copy
     return model, tokenizer, train, test, model_dir
 
@@ -126,7 +126,7 @@ def memory_estimator(args, model_cfg, train, test, world: int = 1, capacity: int
 
 
 class DoesNotFit(ValueError):
-    """The run's estimated peak memory exceeds the device's free memory (check_memory)."""
+    """The run's estimated peak memory exceeds the device's free memory (fit_memory)."""
 
 
 def free_memory(device: str) -> int | None:
@@ -134,30 +134,30 @@ def free_memory(device: str) -> int | None:
     return torch.cuda.mem_get_info(device)[0] if torch.device(device).type == "cuda" else None
 
 
-def check_memory(args, model_cfg, train, test, dist: distributed.Dist) -> None:
-    """Stop at start, with one line naming a setting that fits, when the estimated peak (plus MEMORY_MARGIN)
-    exceeds the device's free memory (the least of all ranks', so that every rank decides alike). First, with
-    --recompute-layers auto, settle how many layers recompute."""
-    free = free_memory(args.device)
+def fit_memory(args, model_cfg, train, test, dist: distributed.Dist) -> TrainConfig:
+    """args.cfg, with --recompute-layers auto settled: the fewest recomputed layers whose estimated peak (plus
+    MEMORY_MARGIN) fits the device's free memory (the least of all ranks', so that every rank decides alike).
+    When the run cannot fit, DoesNotFit: one line naming a setting that does. Off CUDA, args.cfg unchecked."""
+    cfg, free = args.cfg, free_memory(args.device)
     if free is None:
-        return
+        return cfg
     free = int(dist.all_reduce(torch.tensor(free), "min"))
     peak = memory_estimator(args, model_cfg, train, test, dist.world, free)
 
-    def fits(cfg: TrainConfig) -> bool:
-        return peak(cfg).total * (1 + MEMORY_MARGIN) <= free
+    def fits(c: TrainConfig) -> bool:
+        return peak(c).total * (1 + MEMORY_MARGIN) <= free
     L, auto = model_cfg.num_hidden_layers, ""
     if args.recompute_layers == "auto":
-        args.cfg = replace(args.cfg, recompute_layers=fewest_recomputed(args.cfg, L, fits))
-        auto = f"; --recompute-layers auto: {args.cfg.recompute_layers} of {L} layers recompute"
-    need, gib = peak(args.cfg), 2**30
-    if fits(args.cfg):
+        cfg = replace(cfg, recompute_layers=fewest_recomputed(cfg, L, fits))
+        auto = f"; --recompute-layers auto: {cfg.recompute_layers} of {L} layers recompute"
+    need, gib = peak(cfg), 2**30
+    if fits(cfg):
         if dist.is_main:
             print(f"memory: about {need.total / gib:.1f} of the {free / gib:.1f} GiB free on {args.device} ({need})"
                   f"{auto}", file=sys.stderr)
-        return
-    change = leaner(args.cfg, fits)
-    fix = (f"it fits with {as_flags(change)} (about {peak(replace(args.cfg, **change)).total / gib:.1f} GiB)"
+        return cfg
+    change = leaner(cfg, fits)
+    fix = (f"it fits with {as_flags(change)} (about {peak(replace(cfg, **change)).total / gib:.1f} GiB)"
            if change else "no setting of --weights, --activation-checkpointing, --logprob-chunk-size, "
            "--offload-reference and --micro-batch-size fits: use a smaller model, or shorter --max-new-tokens or "
            "prompts")

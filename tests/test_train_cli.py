@@ -252,7 +252,7 @@ def test_recompute_layers_auto_keeps_the_activations_that_fit(tiny_qwen_dir, tmp
     need = [peak(replace(args.cfg, recompute_layers=r)).total * (1 + train.MEMORY_MARGIN) for r in (0, 1)]
     assert need[0] > need[1]
     monkeypatch.setattr(train, "free_memory", lambda device: int(need[1]) + 1)
-    train.check_memory(args, model_cfg, task, None, Dist())
+    args.cfg = train.fit_memory(args, model_cfg, task, None, Dist())
     assert args.cfg.recompute_layers == 1
     assert capsys.readouterr().err.strip().endswith("--recompute-layers auto: 1 of 2 layers recompute")
 

@@ -171,7 +171,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
 
 def layer_count(text: str) -> int | str:
-    """--recompute-layers' value: a whole number, or auto (resolved by check_memory)."""
+    """--recompute-layers' value: a whole number, or auto (resolved by train.py's fit_memory)."""
     if text.isdigit():
         return int(text)
     if text == "auto":

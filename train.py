@@ -42,12 +42,12 @@ from minigrpo.rl import distributed
 from minigrpo.rl.config import WEIGHT_DTYPES, TrainConfig
 from minigrpo.rl.loop import run
 from minigrpo.rl.memory import estimate, fewest_recomputed, leaner
+from minigrpo.rl.train_flags import as_flags, build_parser, flag_names, parse_args, resume_command
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import latest_name, remove_stale_temps
 from minigrpo.run.metrics import DamagedLog
 from minigrpo.run.run_dir import check_out, locked_out, move_aside
 from minigrpo.run.stopping import Interrupted, NonFiniteError, nonfinite
-from minigrpo.run.train_flags import as_flags, build_parser, flag_names, parse_args, resume_command
 from minigrpo.tasks.task import prompt_budget
 from weights.download import resolve_model_dir
 

@@ -226,7 +226,7 @@ def test_a_jsonl_task_needs_its_files(tmp_path, tiny_qwen_dir):
 def test_math_offline_is_one_line_naming_the_flag(tmp_path, tiny_qwen_dir):
     proc = run(["evaluate.py", "--model-dir", str(tiny_qwen_dir), "--task", "math", "--device", "cpu"],
                HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
-    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("error: Could not download HuggingFaceH4/MATH-500/test.jsonl from the Hugging "
                                   "Face Hub")
     assert proc.stderr.strip().endswith("--test-data .../test.jsonl.")

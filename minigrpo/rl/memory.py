@@ -182,15 +182,15 @@ def leaner(cfg: TrainConfig, fits) -> dict | None:
         if 0 < cfg.logprob_chunk_size < change.get("logprob_chunk_size", 0):
             del change["logprob_chunk_size"]  # never a larger chunk
         diff = {k: v for k, v in change.items() if getattr(cfg, k) != v}
-        if diff and _valid(cfg, diff) and fits(replace(cfg, **diff)):
+        changed = _replaced(cfg, diff) if diff else None
+        if changed is not None and fits(changed):
             return diff
     return None
 
 
-def _valid(cfg: TrainConfig, change: dict) -> bool:
-    """Whether TrainConfig accepts cfg with this change."""
+def _replaced(cfg: TrainConfig, change: dict) -> TrainConfig | None:
+    """cfg with this change, or None where TrainConfig refuses it."""
     try:
-        replace(cfg, **change)
+        return replace(cfg, **change)
     except ValueError:
-        return False
-    return True
+        return None

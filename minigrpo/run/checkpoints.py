@@ -53,13 +53,18 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *, wei
     replace_dir(tmp, final)  # re-saving a step after a resume rewound the run: the new one replaces it
     set_latest(ckpt_root, final.name)
     if keep > 0:
-        folders = {int(p.name.removeprefix("step_")): p for p in ckpt_root.glob("step_*")
-                   if p.is_dir() and p.name.removeprefix("step_").isdigit()}
+        folders = step_folders(ckpt_root)
         for old in sorted(s for s in folders if s <= step)[:-keep]:
             doomed = ckpt_root / f".{folders[old].name}.pruned-{os.getpid()}"
             os.replace(folders[old], doomed)  # out of sight at once; a crash mid-delete leaves only a temp folder
             shutil.rmtree(doomed)
     return final
+
+
+def step_folders(ckpt_root: Path) -> dict[int, Path]:
+    """The checkpoint folders `step_<N>` under ckpt_root, by step."""
+    return {int(p.name.removeprefix("step_")): p for p in ckpt_root.glob("step_*")
+            if p.is_dir() and p.name.removeprefix("step_").isdigit()}
 
 
 def latest_name(ckpt_root: str | Path) -> str | None:
@@ -82,8 +87,7 @@ def set_aside_later(out_dir: Path, step: int) -> Path | None:
     stand, go into `checkpoints/abandoned-<UTC time>/` (never pruned, never resumed from), so the future being
     replaced stays on the disk. None when no checkpoint is later."""
     root = out_dir / "checkpoints"
-    later = [p for p in root.glob("step_*") if p.name.removeprefix("step_").isdigit()
-             and int(p.name.removeprefix("step_")) > step]
+    later = [p for s, p in step_folders(root).items() if s > step]
     if not later:
         return None
     aside = root / f"abandoned-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"

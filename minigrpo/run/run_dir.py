@@ -16,7 +16,7 @@ import time
 import warnings
 from pathlib import Path
 
-from minigrpo.run.checkpoints import LATEST
+from minigrpo.run.checkpoints import latest_name
 
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "eval.jsonl", "checkpoints", "tensorboard")
 
@@ -43,7 +43,7 @@ def check_out(out: Path, *, resume: str | None, overwrite: bool) -> None:
     if not found or overwrite or resumes_out:
         return
     held = f"--out {out} already holds a run ({', '.join(found)})"
-    if resume is None and not (out / "checkpoints" / LATEST).is_file():  # stopped before its first checkpoint
+    if resume is None and latest_name(out / "checkpoints") is None:  # stopped before its first checkpoint
         raise ValueError(f"{held} that saved no checkpoint, so it cannot continue; pass --overwrite to move it aside "
                          f"to {out}.old-<time> and start afresh, or choose a new --out")
     if resume is None:

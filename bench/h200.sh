@@ -32,7 +32,9 @@ case "${1:-}" in
   attention)   # decode-attention microbenchmark (Triton vs gather+SDPA vs dense SDPA); issue 20's long contexts:
                # `attention --points 64x8192,256x4096,256x2048`
     python3 bench/attention.py --no-eager --out "$OUT/bench_attention.json" "${@:2}" ;;
-  decode64)    # engine vs HF generate, 8 GSM8K prompts x 8 samples x 256 tokens
+  decode64)    # engine vs HF generate, 8 GSM8K prompts x 8 samples x 256 tokens; every backend x mode by default
+               # (over 9 min: more than one call). Issue 20's row and its peer: `decode64 --attn triton --modes
+               # step+graphs --sampler triton --peers static`
     python3 bench/decode.py --workloads 8x8 "${@:2}" ;;
   decode256)   # 32 prompts x 8 samples x 256 tokens
     python3 bench/decode.py --workloads 32x8 "${@:2}" ;;

@@ -24,6 +24,7 @@ from minigrpo.model.tokenizer import Tokenizer
 from minigrpo.rl import distributed
 from minigrpo.rl.evaluate import decoded, evaluate
 from minigrpo.run.cli import OneLineParser, parse_device
+from minigrpo.run.stopping import nonfinite
 from minigrpo.tasks.task import add_task_flags, load_task, prompt_budget
 from weights.download import resolve_model_dir
 
@@ -91,6 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.eval_samples < 1 or args.eval_temperature < 0 or not math.isfinite(args.eval_temperature):
         p.error(f"need --eval-samples >= 1 and a finite --eval-temperature >= 0, got {args.eval_samples} and "
                 f"{args.eval_temperature}")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
+    if args.out is not None and args.test_data is not None and Path(args.test_data).exists() and args.out.exists() \
+            and args.out.samefile(args.test_data):
+        p.error(f"--out {args.out} is the --test-data file; write the results elsewhere")
     if args.eval_samples > 1 and args.eval_temperature == 0:
         p.error(f"--eval-samples {args.eval_samples} at --eval-temperature 0 would be copies of one greedy "
                 f"completion; pass --eval-temperature > 0")
@@ -103,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
                          reward_mode=args.reward, question_field=args.question_field, answer_field=args.answer_field)
         dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
         model = load_model(model_dir, dtype=dtype, device=args.device).eval()
+        if nonfinite(model):
+            raise ValueError(f"the weights in {model_dir} hold NaN or inf; nothing to evaluate")
         tokenizer.check_fits(model.config.vocab_size, model_dir)
         n = min(len(task), args.limit or len(task))
         prompt_tokens = prompt_budget([(task, n)], model.config.max_position_embeddings, args.max_new_tokens)
@@ -125,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     failed = None
     if dist.is_main:
         k = args.eval_samples
-        scores = (f"greedy accuracy {res['accuracy']:.4f}" if k == 1 else
+        sampled = f"sampled (temperature {args.eval_temperature:g})" if args.eval_temperature else "greedy"
+        scores = (f"{sampled} accuracy {res['accuracy']:.4f}" if k == 1 else
                   ", ".join(f"{key} {res[key]:.4f}" for key in res if key.startswith(("mean@", "pass@"))))
         print(f"{scores} on {res['n']} {args.task} test examples ({args.template} template; mean length "
               f"{res['completion_len_mean']:.0f} tokens, {res['truncated_frac']:.1%} truncated, {res['seconds']:.0f}s, "

@@ -132,6 +132,13 @@ def test_shape_mismatch_names_tensor_and_shapes(ckpt):
         load_model(ckpt, torch.float32)
 
 
+@pytest.mark.parametrize("weight_map", [5, ["model.safetensors"], {"model.norm.weight": 3}])
+def test_index_whose_weight_map_is_no_map_of_file_names(ckpt, weight_map):
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match="'weight_map' must map tensor names to file names"):
+        load_model(ckpt, torch.float32)
+
+
 def test_missing_shard(tmp_path):
     transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**tiny_config().to_hf_dict())).save_pretrained(
         tmp_path, max_shard_size="20KB")

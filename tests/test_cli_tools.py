@@ -52,14 +52,25 @@ def test_random_init_keeps_a_non_empty_out_unless_told_to_overwrite(tmp_path, co
     (out / "notes.txt").write_text("mine")
     refused(run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(out)]),
             f"--out {out} already exists and is not empty; pass --overwrite to replace it")
+    # --overwrite deletes the folder, so only ever a model directory: not one with anything else in it
+    refused(run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(out), "--overwrite"]),
+            f"--out {out} holds more than a model directory (notes.txt); --overwrite would delete it all")
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
 
+    (out / "notes.txt").unlink()
     refused(run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(out), "--overwrite",
                  "--tokenizer-dir", str(tmp_path)]), f"--tokenizer-dir {tmp_path} holds no tokenizer.json")
-    proc = run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(out), "--overwrite"])
+    proc = run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "without a tokenizer" in proc.stdout  # no tokenizer beside the config: said, not left to train.py
-    assert not (out / "notes.txt").exists() and load_model(out, torch.float32).config.num_hidden_layers == 2
+    first = load_model(out, torch.float32).model.layers[0].mlp.up_proj.weight.clone()
+    refused(run([str(REPO / "weights/download.py"), "--random-init", "--config", str(config), "--out", ".",
+                 "--overwrite"], cwd=out), "--out . is the folder you are working in; --overwrite would delete it")
+    proc = run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(out), "--overwrite",
+                "--seed", "1"])  # a model directory is replaced
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = load_model(out, torch.float32)
+    assert model.config.num_hidden_layers == 2 and not torch.equal(model.model.layers[0].mlp.up_proj.weight, first)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model"]  # no temporary directory left
 
     empty = tmp_path / "empty"
@@ -93,6 +104,7 @@ def test_download_bad_config_or_out_is_one_line(tmp_path, config, case, message)
     (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     (["--max-new-tokens=-3"], "--max-new-tokens must be >= 1, got -3"),
+    (["--seed=-1", "--eval-temperature", "1"], "--seed must be >= 0, got -1"),
 ])
 def test_evaluate_refuses_an_empty_batch_or_budget(tmp_path, flags, message):
     refused(run(["evaluate.py", "--model-dir", str(tmp_path / "no-model"), "--device", "cpu", *flags]), message)
@@ -121,6 +133,26 @@ def test_evaluate_out_is_replaced_only_with_overwrite_and_whole(tmp_path, tiny_q
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [json.loads(ln)["index"] for ln in out.read_text().splitlines()] == [0, 1]
     assert [p.name for p in tmp_path.iterdir()] == ["eval.jsonl"]  # no temporary file left beside it
+
+
+def test_evaluate_never_writes_over_its_test_data(tmp_path):
+    data = tmp_path / "test.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    refused(run(["evaluate.py", "--model-dir", str(tmp_path / "no-model"), "--device", "cpu", "--test-data", str(data),
+                 "--out", str(data), "--overwrite"]), f"--out {data} is the --test-data file")
+    assert data.read_text() == '{"question": "1+1?", "answer": "#### 2"}\n'
+
+
+def test_evaluate_refuses_weights_with_nan_and_names_sampled_accuracy(tmp_path, tiny_qwen_dir):
+    common = ["evaluate.py", "--test-data", str(GSM8K_TEST), "--limit", "1", "--max-new-tokens", "2", "--device", "cpu"]
+    proc = run([*common, "--model-dir", str(tiny_qwen_dir), "--eval-temperature", "1"])
+    assert proc.returncode == 0 and proc.stdout.startswith("sampled (temperature 1) accuracy"), proc.stdout
+    model = load_model(tiny_qwen_dir, torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    from minigrpo.model.checkpoint import save_model
+    nan_dir = save_model(model, tmp_path / "nan", tokenizer_dir=tiny_qwen_dir)
+    refused(run([*common, "--model-dir", str(nan_dir)]), f"the weights in {nan_dir} hold NaN or inf")
 
 
 INTERRUPTED_EVAL = """

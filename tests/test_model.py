@@ -78,6 +78,12 @@ def test_config_reads_the_real_qwen_config():
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
     ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+    ({"rope_scaling": "linear"}, "rope_scaling 'linear' is not supported"),
+    ({"rope_theta": "x"}, "rope_theta must be a positive number"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps must be a positive number"),
+    ({"max_position_embeddings": "4k"}, "max_position_embeddings must be a positive integer"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+    ({"eos_token_id": "x"}, "eos_token_id must be token ids"),
 ])
 def test_unsupported_config_is_a_clear_error(tmp_path, change, message):
     d = tiny_config().to_hf_dict()
@@ -92,6 +98,9 @@ def test_missing_or_broken_config_file(tmp_path):
         ModelConfig.from_json(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="is not valid JSON"):
+        ModelConfig.from_json(tmp_path)
+    (tmp_path / "config.json").write_bytes(b'{"model_type": "\xff"}')  # not UTF-8: the message names the file
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
         ModelConfig.from_json(tmp_path)
 
 

@@ -205,6 +205,13 @@ def test_stop_ids_from_int_eos_and_pad_fallback(tmp_path):
     assert t.stop_ids == (ENDOFTEXT,) and t.eos_id == IM_END and t.pad_id == ENDOFTEXT  # pad from generation_config
 
 
+@pytest.mark.parametrize("eos", ["x", 5.0, [IM_END, "x"], 10**9, True])
+def test_eos_that_is_no_token_id_is_refused(tmp_path, eos):
+    d = _copy_dir(tmp_path, edit={"generation_config.json": _with("generation_config.json", eos_token_id=eos)})
+    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id .* is not a token id"):
+        Tokenizer.from_dir(d)
+
+
 def test_other_chat_template_warns(tmp_path):
     d = _copy_dir(tmp_path, edit={"tokenizer_config.json": _with("tokenizer_config.json", chat_template="{{ x }}")})
     with pytest.warns(UserWarning, match="chat template different from Qwen2.5"):

@@ -17,6 +17,7 @@ config.json, or from --repo's config and tokenizer (a few MB).
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 import sys
 import tempfile
@@ -83,7 +84,21 @@ def check_out(p: argparse.ArgumentParser, out: Path, random_init: bool, overwrit
     if random_init and not overwrite and out.is_dir() and any(out.iterdir()):
         p.error(f"--out {given} already exists and is not empty; pass --overwrite to replace it (its files are "
                 f"deleted), or choose another --out")
+    if random_init and overwrite and out.is_dir():
+        others = sorted(f.name for f in out.iterdir() if not (f.is_file() and _model_file(f.name)))
+        if others:  # --overwrite deletes the folder: only ever a model directory
+            shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+            p.error(f"--out {given} holds more than a model directory ({shown}); --overwrite would delete it all: "
+                    f"choose another --out")
+        if Path.cwd().resolve().is_relative_to(out.resolve()):
+            p.error(f"--out {given} is the folder you are working in; --overwrite would delete it: run from outside "
+                    f"it, or choose another --out")
     return out
+
+
+def _model_file(name: str) -> bool:
+    """Whether `name` is a file a model directory holds (what --random-init --overwrite may delete)."""
+    return name in ALLOW or fnmatch.fnmatch(name, "*.safetensors")
 
 
 def check_config(p: argparse.ArgumentParser, config: Path) -> None:

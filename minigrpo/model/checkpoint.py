@@ -36,6 +36,9 @@ def _weight_files(model_dir: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {e}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index} is not a valid safetensors index: its 'weight_map' must map tensor names to "
+                             f"file names")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [str(p) for p in files if not p.is_file()]
         if missing:

@@ -29,10 +29,20 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self):
-        for name in (*_REQUIRED, "num_key_value_heads"):
+        for name in (*_REQUIRED, "num_key_value_heads", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        if not all(t is None or _is_int(t) and t >= 0 for t in [self.bos_token_id, *eos]):
+            raise ValueError(f"bos_token_id and eos_token_id must be token ids (integers >= 0, eos also a list of "
+                             f"them), got {self.bos_token_id!r} and {self.eos_token_id!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
@@ -56,7 +66,7 @@ class ModelConfig:
                                     f"(download one with `python weights/download.py`)")
         try:
             d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
         if not isinstance(d, dict):
             raise ValueError(f"{path} must hold a JSON object, found {type(d).__name__}")
@@ -83,6 +93,10 @@ class ModelConfig:
         return d
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 _REQUIRED = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
 
 
@@ -93,7 +107,8 @@ def _check_supported(d: dict, source: Path) -> None:
     if d.get("use_sliding_window", False):
         raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false, or use another model")
     rope_scaling = d.get("rope_scaling")
-    if rope_scaling not in (None, {}) and (rope_scaling.get("rope_type", rope_scaling.get("type")) != "default"):
+    if rope_scaling not in (None, {}) and (not isinstance(rope_scaling, dict) or
+                                           rope_scaling.get("rope_type", rope_scaling.get("type")) != "default"):
         raise ValueError(f"{source}: rope_scaling {rope_scaling!r} is not supported; only null (plain RoPE) is")
     act = d.get("hidden_act", "silu")
     if act != "silu":

@@ -77,7 +77,13 @@ class Tokenizer:
         # Without a generation config: the declared eos plus the turn and document terminators Qwen emits.
         stop = gen.get("eos_token_id")
         stop = [eos_id, id_of(IM_END), id_of(ENDOFTEXT)] if stop is None else stop
-        stop_ids = list(dict.fromkeys(i for i in ([stop] if isinstance(stop, int) else stop) if i is not None))
+        stop = [stop] if not isinstance(stop, list) else stop
+        stop_ids = list(dict.fromkeys(i for i in stop if i is not None))
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < bpe.get_vocab_size(True)
+                   for i in stop_ids):
+            raise ValueError(f"{gen_path}: eos_token_id {gen['eos_token_id']!r} is not a token id of this tokenizer "
+                             f"(an integer, or a list of them); fix it, or delete the file to stop at Qwen's "
+                             f"terminators")
         if not stop_ids:
             raise ValueError(f"no stop token in {path}: no eos_token in tokenizer_config.json, no eos_token_id in "
                              f"generation_config.json, and neither {IM_END} nor {ENDOFTEXT} in the vocabulary")

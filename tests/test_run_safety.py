@@ -118,6 +118,12 @@ def test_out_rules(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"--out .*file is a file, not a folder; choose another --out"):
         check_out(tmp_path / "file", resume=None, overwrite=False)
+    with pytest.raises(ValueError, match="--out / is the root folder; choose a folder for the run"):
+        check_out(Path("/"), resume=None, overwrite=False)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")  # --out = --model-dir, say
+    with pytest.raises(ValueError, match=r"--out .*model is a model directory \(it holds config.json\)"):
+        check_out(tmp_path / "model", resume=None, overwrite=False)
 
 
 def test_overwrite_moves_only_a_folder_that_holds_nothing_but_a_run(tmp_path, monkeypatch):
@@ -150,12 +156,14 @@ def test_resume_drops_a_record_that_a_crash_cut_short(tmp_path):
     assert steps(tmp_path) == [1, 2, 3]
 
 
-def test_resume_over_a_damaged_record_names_its_line_and_keeps_the_file(tmp_path):
-    text = '{"step": 1}\n{"step": 2, "rew\n{"step": 3}\n'  # a complete line that is not JSON: not a crash's cut
-    (tmp_path / "metrics.jsonl").write_text(text)
-    with pytest.raises(DamagedLog, match=r"metrics.jsonl:2 is not a JSON record; repair or remove that line"):
+@pytest.mark.parametrize("line", [b'{"step": 2, "rew', b'{"step": "2"}', b'{"step": null}', b"[2]",
+                                  b'{"step": 2, "x": "\xff"}'])  # a complete line: not a crash's cut
+def test_resume_over_a_damaged_record_names_its_line_and_keeps_the_file(tmp_path, line):
+    text = b'{"step": 1}\n' + line + b'\n{"step": 3}\n'
+    (tmp_path / "metrics.jsonl").write_bytes(text)
+    with pytest.raises(DamagedLog, match=r"metrics.jsonl:2 is not a JSON record of a step; repair or remove that"):
         MetricsLogger(tmp_path, resume_step=3, echo=False)
-    assert (tmp_path / "metrics.jsonl").read_text() == text
+    assert (tmp_path / "metrics.jsonl").read_bytes() == text
 
 
 def test_a_checkpoint_is_on_the_disk_before_its_rename_publishes_it(tmp_path, monkeypatch):
@@ -197,6 +205,10 @@ def test_latest_naming_a_missing_checkpoint_says_so(tmp_path):
     (root / LATEST).write_text("step_000002\n")
     with pytest.raises(FileNotFoundError, match=r"latest names step_000002, which is missing or incomplete"):
         resolve_checkpoint(tmp_path)
+    for name in ("", "../../other/checkpoints/step_000001"):  # another run's checkpoint would be resumed here
+        (root / LATEST).write_text(name + "\n")
+        with pytest.raises(ValueError, match=r"latest names '.*', not a checkpoint folder of this run"):
+            resolve_checkpoint(tmp_path)
 
 
 def test_resume_into_a_model_of_another_shape_is_one_line(tmp_path):
@@ -341,10 +353,11 @@ def test_a_second_run_into_a_running_out_is_refused(tmp_path):
     proc = start(["-c", STALL, *SMALL[1:], "--steps", "5", "--save-every", "1", "--out", str(out)], log)
     try:
         assert wait_for("stalling in step 2", log, proc)
-        second = run([*SMALL, "--steps", "5", "--out", str(out), "--resume"])
-        assert second.returncode == 2 and "Traceback" not in second.stderr
-        assert second.stderr.splitlines()[-1] == (f"error: another process is running in --out {out}; wait for it "
-                                                  f"to end, or choose another --out")
+        for flags in (["--resume"], [], ["--overwrite"]):  # said first: not "add --resume" or "pass --overwrite"
+            second = run([*SMALL, "--steps", "5", "--out", str(out), *flags])
+            assert second.returncode == 2 and "Traceback" not in second.stderr
+            assert second.stderr.splitlines()[-1] == (f"error: another process is running in --out {out}; wait for "
+                                                      f"it to end, or choose another --out")
     finally:
         proc.kill()
         proc.wait()

@@ -417,13 +417,13 @@ def test_several_minibatches_score_the_old_policy_in_a_separate_pass(tmp_path):
 # ------------------------------------------------------------------------------------------ learning and resume
 
 
-def _synthetic_trainer(out_dir, attn="reference", **overrides):
+def _synthetic_trainer(out_dir, attn="reference", model_seed=0, task_seed=0, **overrides):
     tokenizer = CharTokenizer()
     cfg = TrainConfig(**{"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": 3, "lr": 1e-3,
                          "micro_batch_size": 128, "eval_every": 0, "sample_every": 0, "save_every": 0,
                          "steps": 150, **overrides})
-    model = tiny_policy(tokenizer.vocab_size, seed=0).to(WEIGHT_DTYPES[cfg.weights])
-    task = FirstDigitTask(tokenizer, 10_000, seed=0)
+    model = tiny_policy(tokenizer.vocab_size, seed=model_seed).to(WEIGHT_DTYPES[cfg.weights])
+    task = FirstDigitTask(tokenizer, 10_000, seed=task_seed)
     backend = make_backend(attn, model, pad_id=tokenizer.pad_id, max_seq_len=16)  # an engine shares fp32 weights
     return Trainer(cfg, model, tokenizer, task, backend, out_dir, echo=False)
 
@@ -492,6 +492,10 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, weights, attn):
         assert not torch.equal(full.model.state_dict()["lm_head.weight"], first.ref.state_dict()["lm_head.weight"])
     with pytest.raises(ValueError, match="lr: checkpoint 0.003 vs now 0.001"):
         _synthetic_trainer(tmp_path / "other", **{**cfg, "lr": 1e-3}).resume(ckpt)
+    with pytest.raises(ValueError, match=r"cannot resume exactly: the training prompts \(--train-data.*differ"):
+        _synthetic_trainer(tmp_path / "data", task_seed=1, **cfg).resume(ckpt)  # as many examples, other ones
+    with pytest.raises(ValueError, match=r"cannot resume exactly: the KL reference's weights \(the initial model"):
+        _synthetic_trainer(tmp_path / "model", model_seed=1, **cfg).resume(ckpt)  # same shape, another model
     leaner = _synthetic_trainer(tmp_path / "leaner", **{**cfg, "micro_batch_size": 8, "logprob_chunk_size": 64})
     leaner.resume(ckpt)  # memory-only settings: what the memory check suggests after an out-of-memory stop
     assert leaner.step_idx == 2

@@ -41,10 +41,12 @@ from minigrpo.rl.offload import HostOffload
 from minigrpo.rl.optim import StochasticAdamW
 from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.rl.step_metrics import UpdateSums, mismatch_metrics, rollout_metrics, speed_and_memory
-from minigrpo.run.checkpoints import load_checkpoint, resolve_checkpoint, save_checkpoint
+from minigrpo.run.checkpoints import fingerprint, load_checkpoint, resolve_checkpoint, save_checkpoint
 from minigrpo.run.metrics import PhaseTimer
 from minigrpo.run.stopping import NonFiniteError, nonfinite
 
+INPUTS = {"prompts": "the training prompts (--train-data, --task, --template or the tokenizer)",
+          "reference": "the KL reference's weights (the initial model, --model-dir)"}  # Trainer.inputs, in words
 RECOMPILE_LIMIT = 32  # graphs one compiled decoder layer may need before that is an error (_fail_past_recompile_limit)
 # Inductor fuses a norm's two backward reductions (over rows, over columns) above a size and by default guards on it:
 # a graph more whenever a micro-batch crosses B x T x C = 5 x 2^20. Non-strict mode, where torch has it: no such guard.
@@ -103,6 +105,12 @@ class Trainer:
                 for layer in m.model.layers:
                     layer.compile(options=LAYER_OPTIONS)
             _fail_past_recompile_limit()
+        # What a resume must find as the checkpoint left it, besides the config: the training prompts (data,
+        # template and tokenizer), and the KL anchor, read again from the initial model (resume()).
+        self.inputs = {"prompts": fingerprint(np.asarray(task.prompt(i), np.int64).tobytes() for i in range(len(task)))}
+        if self.ref is not None:  # the first values of each tensor, before FSDP shards them: another model differs
+            self.inputs["reference"] = fingerprint(p.detach().reshape(-1)[:1024].cpu().view(torch.uint8).numpy()
+                                                   .tobytes() for p in self.ref.parameters())
         self.sampler = EpochSampler(len(task), cfg.seed)  # the global prompt order, the same on every rank
         dist.shard(range(cfg.prompts_per_step), "prompts per step (-B)")  # fails now, not at step 1
         self.policy = GradSync(model, self._logprobs, dist, cfg.parallel)  # the training forward (DDP / FSDP)
@@ -342,7 +350,8 @@ class Trainer:
         full = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0, in host memory; {} elsewhere
         weights = dcp.get_model_state_dict(self.model, options=full)
         optimizer = dcp.get_optimizer_state_dict(self.model, self.optimizer, options=full)
-        state = {"config": asdict(self.cfg), "optimizer": optimizer, "sampler": self.sampler.state_dict()}
+        state = {"config": asdict(self.cfg), "optimizer": optimizer, "sampler": self.sampler.state_dict(),
+                 "inputs": self.inputs}
         if self.dist.is_main:
             save_checkpoint(self.out_dir / "checkpoints", self.step_idx, self.model, state, weights=weights,
                             tokenizer_dir=self.tokenizer_dir, keep=self.cfg.keep_checkpoints)
@@ -363,6 +372,11 @@ class Trainer:
             diffs = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
             raise ValueError(f"cannot resume exactly: settings differ from the checkpoint's ({diffs}); "
                              f"rerun with the original values")
+        saved_inputs = state.get("inputs", {})  # none in a checkpoint from before they were recorded
+        other = [INPUTS[k] for k, v in self.inputs.items() if saved_inputs.get(k, v) != v]
+        if other:
+            raise ValueError(f"cannot resume exactly: {' and '.join(other)} differ from the checkpoint's; resume "
+                             f"with the run's own")
         if any(not isinstance(k, str) for k in state["optimizer"]["state"]):
             raise ValueError(f"{ckpt}: its optimizer state is numbered, not named by parameter (an older checkpoint "
                              f"format); start a new run from its weights: --model-dir {ckpt / 'model'}")

@@ -17,6 +17,7 @@ RNG state is saved: training draws every random number from (seed, step, ...).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import shutil
@@ -59,6 +60,15 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *, wei
             os.replace(folders[old], doomed)  # out of sight at once; a crash mid-delete leaves only a temp folder
             shutil.rmtree(doomed)
     return final
+
+
+def fingerprint(parts) -> str:
+    """A short digest of a sequence of byte strings (each length-prefixed: [ab][c] and [a][bc] differ), to tell on
+    resuming whether an input is the one the checkpoint was trained on."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "little") + part)
+    return digest.hexdigest()[:16]
 
 
 def step_folders(ckpt_root: Path) -> dict[int, Path]:
@@ -118,6 +128,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for root in (path, path / "checkpoints"):
         name = latest_name(root)
         if name is not None:
+            if not (name.startswith("step_") and name.removeprefix("step_").isdigit()):  # edited by hand
+                raise ValueError(f"{root / LATEST} names {name!r}, not a checkpoint folder of this run (step_<N>); "
+                                 f"write the name of one of {root}'s step_* folders into it")
             if not (root / name / STATE_FILE).is_file():
                 raise FileNotFoundError(f"{root / LATEST} names {name}, which is missing or incomplete; resume "
                                         f"from a complete checkpoint folder under {root} instead")
@@ -150,7 +163,7 @@ def load_checkpoint(path: str | Path, model) -> dict:
             raise KeyError(f"it lacks {', '.join(missing)}")
     except Exception as e:  # truncated, not a torch file, or not ours: the message names the file, not the parser
         why = ("not a torch file of tensors and plain values" if isinstance(e, pickle.UnpicklingError)  # torch's
-               else (str(e).strip().splitlines() or [""])[0])  # own message suggests loading it unsafely
+               else (str(e).strip().splitlines() or [""])[0][:200])  # own message suggests loading it unsafely
         raise ValueError(f"{path / STATE_FILE} cannot be read ({type(e).__name__}: {why}); resume from another "
                          f"checkpoint") from e
     return state

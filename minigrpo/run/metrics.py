@@ -74,20 +74,28 @@ def _truncate_after(path: Path, step: int) -> None:
     """Keep the records of steps <= `step` (and no line a crash cut short), rewriting the file atomically."""
     if not path.is_file():
         return
-    lines = path.read_text().split("\n")[:-1]  # complete lines only
+    lines = path.read_bytes().split(b"\n")[:-1]  # complete lines only
     kept = []
     for number, line in enumerate(lines, 1):
         try:
-            if line.strip() and json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        except (json.JSONDecodeError, AttributeError):
-            raise DamagedLog(f"{path}:{number} is not a JSON record; repair or remove that line, then resume "
-                             f"again") from None
+            if line.strip() and _step_of(json.loads(line)) <= step:
+                kept.append(line.decode())
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, AttributeError):
+            raise DamagedLog(f"{path}:{number} is not a JSON record of a step; repair or remove that line, then "
+                             f"resume again") from None
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(ln + "\n" for ln in kept))
     fsync_tree(tmp)
     os.replace(tmp, path)
     fsync_tree(path.parent, recursive=False)
+
+
+def _step_of(record: dict) -> int:
+    """A record's step (0 for none); TypeError when it has no integer one."""
+    step = record.get("step", 0)
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise TypeError(f"step {step!r} is not an integer")
+    return step
 
 
 class MetricsLogger:

@@ -34,7 +34,14 @@ def check_out(out: Path, *, resume: str | None, overwrite: bool) -> None:
     above = next((p for p in out.absolute().parents if p.exists()), None)
     if above is not None and not above.is_dir():
         raise ValueError(f"--out {out} lies under {above}, which is a file, not a folder; choose another --out")
+    if not out.resolve().name:
+        raise ValueError(f"--out {out} is the root folder; choose a folder for the run, e.g. runs/a")
+    if (out / "config.json").is_file():
+        raise ValueError(f"--out {out} is a model directory (it holds config.json); a run writes beside its model, "
+                         f"not into it: choose another --out")
     found = run_files(out)
+    if found and _locked(out):
+        raise ValueError(f"another process is running in --out {out}; wait for it to end, or choose another --out")
     resumes_out = resume == "" or (resume is not None and Path(resume).resolve().is_relative_to(out.resolve()))
     if overwrite and resumes_out:
         raise ValueError("--overwrite moves the run in --out aside, --resume continues it: pass one of them")
@@ -77,6 +84,21 @@ def move_aside(out: Path) -> Path | None:
         aside = out.with_name(f"{out.name}.old-{stamp}-{n}")
     os.rename(out, aside)
     return aside
+
+
+def _locked(out: Path) -> bool:
+    """Whether another process holds `out`'s lock (locked_out) now."""
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:  # a filesystem without locks: locked_out warns
+        return False
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -85,6 +85,7 @@ def test_random_init_keeps_a_non_empty_out_unless_told_to_overwrite(tmp_path, co
     ("malformed config", "--config: {tmp}/bad.json is not valid JSON"),
     ("invalid config", "--config: {tmp}/bad.json: missing required field(s)"),
     ("out under a file", "--out {tmp}/afile/sub: {tmp}/afile is a file, not a directory; choose another --out"),
+    ("seed too large", "--seed must be in [0, 2^63), got 9223372036854775808"),
 ])
 def test_download_bad_config_or_out_is_one_line(tmp_path, config, case, message):
     (tmp_path / "afile").write_text("")
@@ -92,7 +93,8 @@ def test_download_bad_config_or_out_is_one_line(tmp_path, config, case, message)
     cfg = {"missing config": tmp_path / "nope.json", "malformed config": tmp_path / "bad.json",
            "invalid config": tmp_path / "bad.json"}.get(case, config)
     out = tmp_path / ("afile/sub" if case == "out under a file" else "m")
-    refused(run(["weights/download.py", "--random-init", "--config", str(cfg), "--out", str(out)]),
+    seed = ["--seed", str(2**63)] if case == "seed too large" else []
+    refused(run(["weights/download.py", "--random-init", "--config", str(cfg), "--out", str(out), *seed]),
             message.format(tmp=tmp_path))
     assert not (tmp_path / "m").exists() and (tmp_path / "afile").read_text() == ""
 

@@ -79,6 +79,10 @@ def test_help_documents_every_flag_and_each_default_once():
      "--sampler triton runs Triton kernels, which need a CUDA GPU; on the CPU use --sampler torch"),
     (["--preset", "smoke", "--attn", "sdpa", "--cuda-graphs", "--out", "{tmp}/out"],
      "--cuda-graphs captures CUDA graphs, which need a CUDA GPU; drop it on the CPU"),
+    (["--preset", "smoke", "--sampler", "torch", "--cuda-graphs"], "--cuda-graphs, --sampler: settings of the fast "
+     "engine, which --attn reference does not use"),
+    (["--preset", "smoke", "--train-data", "train.jsonl"], "--preset smoke trains its own tiny random model on its own "
+     "task; drop --train-data"),
     (["--preset", "smoke", "--out", "README.md/run"], "README.md, which is a file, not a folder; choose another --out"),
     (["--weights", "bf16", "--weight-decay", "0.01"], "--weight-decay 0.01 at --lr 1e-06 shrinks bf16 parameters by "
      "1.0e-08 per step, below the 1e-06 that their fp32 update and 16-bit stochastic rounding carry (it would be "

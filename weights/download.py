@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer-dir", type=Path, default=None,
                    help="with --random-init: copy tokenizer and generation config from here "
                         "(default: the directory of --config)")
-    p.add_argument("--seed", type=int, default=0, help="seed for --random-init")
+    p.add_argument("--seed", type=int, default=0, help="seed for --random-init, in [0, 2^63)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                    help="dtype of the random weights")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     if given and not args.random_init:
         p.error(f"{', '.join(given)}: for --random-init only; a download takes --repo, --revision and --out (and "
                 f"resumes into --out, keeping the files already there)")
+    if not 0 <= args.seed < 2**63:
+        p.error(f"--seed must be in [0, 2^63), got {args.seed}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available here; use --device cpu")
     if args.random_init:
@@ -174,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
                 write_random(config, out, args.seed, getattr(torch, args.dtype), tok_dir, args.device)
             except (OSError, ValueError) as e:  # the Hub's config unsupported, --out unwritable, disk full
                 p.exit(1, f"error: {e}\n")
+            except (RuntimeError, MemoryError) as e:  # torch's out-of-memory, on the host or the GPU
+                p.exit(1, f"error: drawing the model's weights failed ({str(e).splitlines()[0][:200]}); a model this "
+                          f"size needs more free memory on --device {args.device}\n")
             missing = "" if (tok_dir / "tokenizer.json").is_file() else (
                 f", without a tokenizer (none in {tok_dir}): train.py and evaluate.py need one, so rerun with "
                 f"--tokenizer-dir")

@@ -211,10 +211,16 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
     if args.parallel == "fsdp" and args.attn == "reference":
         parser.error("--parallel fsdp shards the policy, which --attn reference generates with; use the engine "
                      "(--attn sdpa on the CPU, triton on CUDA)")
+    engine_only = [flag for flag, v in (("--compile", args.compile), ("--cuda-graphs", args.cuda_graphs),
+                                        ("--sampler", args.sampler)) if v is not None]
+    if engine_only and args.attn == "reference":
+        parser.error(f"{', '.join(engine_only)}: settings of the fast engine, which --attn reference does not use; "
+                     f"drop them, or pick the engine (--attn sdpa on the CPU, triton on CUDA)")
     if args.compile_policy and args.attn == "reference":
         parser.error("--compile-policy with --attn reference would recompile the policy for every generated token; "
                      "drop --compile-policy, or use the engine (--attn sdpa|triton)")
-    real_only = [f for f, v in (("--model-dir", args.model_dir), ("--task", args.task != "gsm8k"),
+    real_only = [f for f, v in (("--model-dir", args.model_dir), ("--train-data", args.train_data),
+                                ("--test-data", args.test_data), ("--task", args.task != "gsm8k"),
                                 ("--template", args.template != "chat"), ("--reward", args.reward),
                                 ("--question-field", args.question_field), ("--answer-field", args.answer_field)) if v]
     if args.preset != "gsm8k" and real_only:

@@ -267,6 +267,8 @@ def main():
     p.add_argument("--report", action="store_true", help="graph / graph-break / kernel-launch report only")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for decode.json")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("no CUDA device: this benchmark times the engine and HF generate on a GPU")
     workloads = [tuple(int(x) for x in w.split("x") if x.isdigit()) for w in args.workloads.split(",")]
     if not all(len(w) == 2 and min(w) >= 1 for w in workloads):
         p.error(f"--workloads {args.workloads!r}: expected PROMPTSxSAMPLES[,...] with positive numbers, "

@@ -45,6 +45,8 @@ def main():
     args = p.parse_args()
     if min(args.rows, args.tokens, args.chunk) < 1:
         p.error("--rows, --tokens and --chunk must be >= 1")
+    if not torch.cuda.is_available():
+        p.error("no CUDA device: this benchmark measures GPU memory")
     g = torch.Generator(device="cuda").manual_seed(0)
     V, D = 151936, 896
     hidden = torch.randn(args.rows, args.tokens, D, device="cuda", generator=g).bfloat16().requires_grad_()

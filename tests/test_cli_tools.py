@@ -199,11 +199,16 @@ def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path):
     assert not (tmp_path / "run").exists()  # the folder it made for the run, left empty, is gone
 
 
-def test_a_checkpoint_folder_as_model_dir_points_at_its_model(tmp_path):
+def test_a_checkpoint_or_run_folder_as_model_dir_points_at_its_model(tmp_path):
     from weights.download import resolve_model_dir
 
-    (tmp_path / "step_000050" / "model").mkdir(parents=True)
-    (tmp_path / "step_000050" / "model" / "config.json").write_text("{}")
+    (tmp_path / "checkpoints" / "step_000050" / "model").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000050" / "model" / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match=r"step_000050 is a checkpoint, not a model directory: pass "
                                                 r"--model-dir .*step_000050/model$"):
-        resolve_model_dir(tmp_path / "step_000050")
+        resolve_model_dir(tmp_path / "checkpoints" / "step_000050")
+    with pytest.raises(FileNotFoundError, match=r"is a run folder, not a model directory: pass --model-dir "
+                                                r".*/checkpoints/step_<N>/model$"):
+        resolve_model_dir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"model holds no tokenizer.json: .*--preset smoke or learn has none"):
+        resolve_model_dir(tmp_path / "checkpoints" / "step_000050" / "model")  # a smoke run's: no tokenizer files

@@ -205,6 +205,8 @@ def test_latest_naming_a_missing_checkpoint_says_so(tmp_path):
     (root / LATEST).write_text("step_000002\n")
     with pytest.raises(FileNotFoundError, match=r"latest names step_000002, which is missing or incomplete"):
         resolve_checkpoint(tmp_path)
+    (root / LATEST).write_text("step_000001\n")
+    assert resolve_checkpoint(root / LATEST) == root / "step_000001"  # the file named for the one it names
     for name in ("", "../../other/checkpoints/step_000001"):  # another run's checkpoint would be resumed here
         (root / LATEST).write_text(name + "\n")
         with pytest.raises(ValueError, match=r"latest names '.*', not a checkpoint folder of this run"):
@@ -530,6 +532,8 @@ def test_prompts_past_max_prompt_tokens_are_refused():
                                          r"tokens, data.jsonl:2\); remove or shorten them, or raise "
                                          r"--max-prompt-tokens$"):
         prompt_budget([(_Prompts([5, 9]), 2)], max_positions=64, max_new_tokens=8, limit=6)
+    with pytest.raises(ValueError, match=r"^2 of 4 prompts \(training and test\) are longer than"):
+        prompt_budget([(_Prompts([5, 9]), 2), (_Prompts([9, 5]), 2)], max_positions=64, max_new_tokens=8, limit=6)
     with pytest.raises(ValueError, match=r"--max-prompt-tokens 60 plus 8 new tokens exceeds the model's 64 "
                                          r"positions; use at most 56"):
         prompt_budget([(_Prompts([5]), 1)], max_positions=64, max_new_tokens=8, limit=60)

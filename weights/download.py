@@ -119,9 +119,16 @@ def resolve_model_dir(model_dir: str | Path | None) -> Path:
         if (model_dir / "model" / "config.json").is_file():  # a training checkpoint: its model is one level down
             raise FileNotFoundError(f"{model_dir} is a checkpoint, not a model directory: pass --model-dir "
                                     f"{model_dir / 'model'}")
+        if (model_dir / "checkpoints").is_dir():  # a run folder: its models are in its checkpoints
+            raise FileNotFoundError(f"{model_dir} is a run folder, not a model directory: pass --model-dir "
+                                    f"{model_dir / 'checkpoints' / 'step_<N>' / 'model'}")
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json); download one with "
                                     f"`python weights/download.py --out {model_dir}`")
+        if not (model_dir / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{model_dir} holds no tokenizer.json: a model directory needs its tokenizer "
+                                    f"files beside config.json (a checkpoint of train.py --preset smoke or learn has "
+                                    f"none: its tokenizer is built in, and only that preset runs it)")
         return model_dir
     if not (DEFAULT_DIR / "config.json").is_file() or not any(DEFAULT_DIR.glob("*.safetensors")):
         print(f"no model at {DEFAULT_DIR}: downloading {DEFAULT_REPO} ...", file=sys.stderr)
@@ -181,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
                           f"size needs more free memory on --device {args.device}\n")
             missing = "" if (tok_dir / "tokenizer.json").is_file() else (
                 f", without a tokenizer (none in {tok_dir}): train.py and evaluate.py need one, so rerun with "
-                f"--tokenizer-dir")
+                f"--tokenizer-dir DIR --overwrite")
         print(f"wrote a random-initialised model to {args.out}{missing}")
     else:
         out = check_out(p, args.out or DEFAULT_DIR, random_init=False, overwrite=False)

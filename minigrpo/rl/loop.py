@@ -30,7 +30,7 @@ def run(trainer: Trainer) -> list[dict]:
     history = []
     bar = tqdm(total=cfg.steps, initial=t.step_idx, desc="train", unit="step", disable=None if main else True)
     try:
-        with bar, StopSignals() as signals:
+        with bar, StopSignals(announce=main) as signals:
             if evaluating and t.step_idx == 0 and not resumed:  # resumed at 0: that evaluation was logged
                 record = {"step": 0, **_evaluate(t, logger)}
                 if main:

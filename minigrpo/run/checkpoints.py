@@ -125,6 +125,8 @@ def remove_stale_temps(ckpt_root: str | Path) -> None:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory from itself, or from the run's output / checkpoints directory (newest one)."""
     path = Path(path)
+    if path.name == LATEST and path.is_file():  # RUN/checkpoints/latest: the checkpoint it names
+        path = path.parent
     for root in (path, path / "checkpoints"):
         name = latest_name(root)
         if name is not None:

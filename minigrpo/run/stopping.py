@@ -46,8 +46,9 @@ class StopSignals:
     """Within `with StopSignals() as s:`, the first SIGINT / SIGTERM only sets `s.received` (its number).
     Handlers can be installed only from the main thread; elsewhere signals keep their usual effect."""
 
-    def __init__(self):
+    def __init__(self, announce: bool = True):
         self.received: int | None = None
+        self.announce = announce  # say on stderr what the first signal does (one rank of several says it)
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
@@ -67,5 +68,6 @@ class StopSignals:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         # os.write, not print: the signal may have interrupted a print to the same stream.
-        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step to save a checkpoint "
-                    f"(Ctrl-C again stops at once; the last complete checkpoint is kept)\n".encode())
+        if self.announce:
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step to save a checkpoint "
+                        f"(Ctrl-C again stops at once; the last complete checkpoint is kept)\n".encode())

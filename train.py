@@ -205,6 +205,9 @@ def _train(args, dist, out: Path, argv: list[str], locks: contextlib.ExitStack) 
             remove_stale_temps(out / "checkpoints")  # an interrupted save's leftovers
             print(f"run folder: {out}" + (f" (the run that was there is now {aside})" if aside else ""),
                   file=sys.stderr)
+            if args.parallel == "fsdp" and dist.world == 1:
+                print("note: --parallel fsdp in one process shards nothing; start it with torchrun to shard",
+                      file=sys.stderr)
         dist.barrier()
         model, tokenizer, train, test, model_dir = (build_qa(args, dist) if args.preset == "gsm8k"
                                                     else build_smoke(args))

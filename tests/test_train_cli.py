@@ -65,6 +65,8 @@ def test_help_documents_every_flag_and_each_default_once():
     (["--lr=-1e-3"], "--lr must be in (0, 1), got -0.001"),
     (["--seed", "-1"], "--seed must be in [0, 2^32), got -1"),
     (["--min-lr-ratio=-0.1"], "--min-lr-ratio must be in [0, 1], got -0.1"),
+    (["--min-lr-ratio", "0.5"], "--min-lr-ratio 0.5 is the cosine schedule's floor, and --lr-schedule is 'constant': "
+     "add --lr-schedule cosine, or drop --min-lr-ratio"),
     (["--betas", "1", "0.9"], "--betas must be two numbers in [0, 1), got (1.0, 0.9)"),
     (["--eval-limit", "0"], "--eval-limit must be >= 1 (or unset), got 0"),
     (["--recompute-layers", "3"], "--recompute-layers 3 needs --activation-checkpointing, and must be >= 0"),
@@ -291,8 +293,9 @@ def test_a_run_that_would_not_fit_stops_at_start_naming_a_setting_that_does(tmp_
     last = capsys.readouterr().err.splitlines()[-1]
     assert last.startswith("error: this run needs about ") and "cpu has" in last and " it fits with --" in last
     flags = last.split(" it fits with ")[1].split(" (about ")[0].split()
-    assert train.main([*argv, *flags, "--out", str(tmp_path / "b")]) == 0
-    assert "memory: about " in capsys.readouterr().err
+    assert train.main([*argv, *flags, "--parallel", "fsdp", "--out", str(tmp_path / "b")]) == 0
+    err = capsys.readouterr().err
+    assert "memory: about " in err and "note: --parallel fsdp in one process shards nothing" in err
     assert (tmp_path / "b" / "metrics.jsonl").read_text().count("\n") == 1
 
 

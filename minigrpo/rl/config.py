@@ -98,6 +98,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1 (or unset), got {getattr(self, name)}")
         if not 0 <= self.min_lr_ratio <= 1:  # below 0 the cosine schedule's LR turns negative: gradient ascent
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.min_lr_ratio and self.lr_schedule != "cosine":
+            raise ValueError(f"min_lr_ratio {self.min_lr_ratio} is the cosine schedule's floor, and lr_schedule is "
+                             f"{self.lr_schedule!r}: add lr_schedule cosine, or drop min_lr_ratio")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if not 0 <= self.seed < 2 ** 32:  # what numpy's global seed takes

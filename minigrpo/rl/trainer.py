@@ -109,8 +109,9 @@ class Trainer:
         # template and tokenizer), and the KL anchor, read again from the initial model (resume()).
         self.inputs = {"prompts": fingerprint(np.asarray(task.prompt(i), np.int64).tobytes() for i in range(len(task)))}
         if self.ref is not None:  # the first values of each tensor, before FSDP shards them: another model differs
-            self.inputs["reference"] = fingerprint(p.detach().reshape(-1)[:1024].cpu().view(torch.uint8).numpy()
-                                                   .tobytes() for p in self.ref.parameters())
+            self.inputs["reference"] = fingerprint(  # a copy: numpy sharing a parameter's storage pins its size
+                p.detach().reshape(-1)[:1024].to("cpu", copy=True).view(torch.uint8).numpy().tobytes()
+                for p in self.ref.parameters())
         self.sampler = EpochSampler(len(task), cfg.seed)  # the global prompt order, the same on every rank
         dist.shard(range(cfg.prompts_per_step), "prompts per step (-B)")  # fails now, not at step 1
         self.policy = GradSync(model, self._logprobs, dist, cfg.parallel)  # the training forward (DDP / FSDP)

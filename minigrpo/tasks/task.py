@@ -107,6 +107,6 @@ def prompt_budget(tasks: Sequence[tuple[Task, int]], max_positions: int, max_new
                      ((f"the {room} tokens that the model's {max_positions} positions leave after {max_new_tokens} "
                        f"new tokens"), f"lower {new_tokens_flag}"))
         which = " (training and test)" if len(tasks) > 1 else ""
-        raise ValueError(f"{len(over)} of {len(lengths)} prompts{which} are longer than {what} (longest: {longest} tokens, "
-                         f"{where}); remove or shorten them, or {fix}")
+        raise ValueError(f"{len(over)} of {len(lengths)} prompts{which} are longer than {what} (longest: {longest} "
+                         f"tokens, {where}); remove or shorten them, or {fix}")
     return budget if limit is not None else max(n for n, _, _ in lengths)

@@ -206,6 +206,8 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
                                else device.type == "cuda" and args.attn != "reference")})
     except ValueError as e:
         parser.error(flag_names(str(e), parser))
+    if not args.tis and args.tis_cap != D.tis_cap:
+        parser.error(f"--tis-cap {args.tis_cap} caps the TIS weights that --no-tis turns off; drop one of them")
     if args.recompute_layers == "auto" and not args.activation_checkpointing:
         parser.error("--recompute-layers auto needs --activation-checkpointing (without it no layer recomputes)")
     if args.parallel == "fsdp" and args.attn == "reference":

@@ -622,6 +622,8 @@ def test_epoch_sampler_permutes_each_epoch_and_resumes():
     assert t.next(7) == ahead
     with pytest.raises(ValueError, match="same training data"):
         EpochSampler(6, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"a data-order state needs \['epoch', 'num_examples', 'pos', 'seed'\]"):
+        EpochSampler(5, seed=1).load_state_dict({k: v for k, v in state.items() if k != "seed"})
 
 
 def test_config_rejects_bad_values():

@@ -43,6 +43,8 @@ class EpochSampler:
         return {"num_examples": self.num_examples, "seed": self.seed, "epoch": self.epoch, "pos": self.pos}
 
     def load_state_dict(self, state: dict) -> None:
+        if set(state) != set(self.state_dict()):
+            raise ValueError(f"a data-order state needs {sorted(self.state_dict())}, got {sorted(state)}")
         if (state["num_examples"], state["seed"]) != (self.num_examples, self.seed):
             raise ValueError(f"cannot resume the data order: the checkpoint was taken on {state['num_examples']} "
                              f"examples with seed {state['seed']}, this run has {self.num_examples} examples with "

@@ -36,6 +36,7 @@ STATE_FILE = "trainer_state.pt"
 _SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "tie_word_embeddings")
 LATEST = "latest"
+_DICTS = ("config", "optimizer", "sampler")  # trainer_state.pt's entries besides the step
 
 
 def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *, weights: dict | None = None,
@@ -163,6 +164,8 @@ def load_checkpoint(path: str | Path, model) -> dict:
         missing = sorted({"config", "optimizer", "sampler", "step"} - state.keys())
         if missing:
             raise KeyError(f"it lacks {', '.join(missing)}")
+        if not isinstance(state["step"], int) or not all(isinstance(state[k], dict) for k in _DICTS):
+            raise TypeError(f"its step must be an integer and its {', '.join(_DICTS)} dicts")
     except Exception as e:  # truncated, not a torch file, or not ours: the message names the file, not the parser
         why = ("not a torch file of tensors and plain values" if isinstance(e, pickle.UnpicklingError)  # torch's
                else (str(e).strip().splitlines() or [""])[0][:200])  # own message suggests loading it unsafely

@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.out is not None and args.test_data is not None and Path(args.test_data).exists() and args.out.exists() \
             and args.out.samefile(args.test_data):
         p.error(f"--out {args.out} is the --test-data file; write the results elsewhere")
+    if args.out is not None and args.model_dir is not None and \
+            args.out.resolve().is_relative_to(Path(args.model_dir).resolve()):
+        p.error(f"--out {args.out} lies in the --model-dir it evaluates; write the results elsewhere")
     if args.eval_samples > 1 and args.eval_temperature == 0:
         p.error(f"--eval-samples {args.eval_samples} at --eval-temperature 0 would be copies of one greedy "
                 f"completion; pass --eval-temperature > 0")

@@ -80,6 +80,19 @@ def test_random_init_keeps_a_non_empty_out_unless_told_to_overwrite(tmp_path, co
     assert (empty / "model.safetensors").is_file()
 
 
+def test_random_init_refuses_a_tokenizer_larger_than_the_config_and_a_symlinked_out(tmp_path, config):
+    from conftest import QWEN_DIR
+    if not QWEN_DIR.exists():
+        pytest.skip(f"no tokenizer at {QWEN_DIR}")
+    refused(run(["weights/download.py", "--random-init", "--config", str(config), "--tokenizer-dir", str(QWEN_DIR),
+                 "--out", str(tmp_path / "m")]), "has 151665 token ids but the config's vocab_size is 256")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    refused(run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(tmp_path / "link"),
+                 "--overwrite"]), f"--out {tmp_path / 'link'} is a symbolic link; give the directory it points to")
+    assert not (tmp_path / "m").exists() and (tmp_path / "link").is_symlink()
+
+
 @pytest.mark.parametrize("case, message", [
     ("missing config", "--config {tmp}/nope.json: no such file or directory; pass a config.json"),
     ("malformed config", "--config: {tmp}/bad.json is not valid JSON"),
@@ -145,6 +158,14 @@ def test_evaluate_never_writes_over_its_test_data(tmp_path):
     assert data.read_text() == '{"question": "1+1?", "answer": "#### 2"}\n'
 
 
+def test_evaluate_never_writes_into_the_model_it_evaluates(tmp_path, tiny_qwen_dir):
+    weights = tiny_qwen_dir / "model.safetensors"
+    before = weights.read_bytes()
+    refused(run(["evaluate.py", "--model-dir", str(tiny_qwen_dir), "--device", "cpu", "--out", str(weights),
+                 "--overwrite"]), f"--out {weights} lies in the --model-dir it evaluates")
+    assert weights.read_bytes() == before
+
+
 def test_evaluate_refuses_weights_with_nan_and_names_sampled_accuracy(tmp_path, tiny_qwen_dir):
     common = ["evaluate.py", "--test-data", str(GSM8K_TEST), "--limit", "1", "--max-new-tokens", "2", "--device", "cpu"]
     proc = run([*common, "--model-dir", str(tiny_qwen_dir), "--eval-temperature", "1"])
@@ -207,8 +228,10 @@ def test_a_checkpoint_or_run_folder_as_model_dir_points_at_its_model(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"step_000050 is a checkpoint, not a model directory: pass "
                                                 r"--model-dir .*step_000050/model$"):
         resolve_model_dir(tmp_path / "checkpoints" / "step_000050")
-    with pytest.raises(FileNotFoundError, match=r"is a run folder, not a model directory: pass --model-dir "
-                                                r".*/checkpoints/step_<N>/model$"):
-        resolve_model_dir(tmp_path)
+    (tmp_path / "checkpoints" / "latest").write_text("step_000050\n")
+    for run_dir in (tmp_path, tmp_path / "checkpoints"):
+        with pytest.raises(FileNotFoundError, match=r"is a run folder, not a model directory: pass --model-dir "
+                                                    r".*/checkpoints/step_<N>/model$"):
+            resolve_model_dir(run_dir)
     with pytest.raises(FileNotFoundError, match=r"model holds no tokenizer.json: .*--preset smoke or learn has none"):
         resolve_model_dir(tmp_path / "checkpoints" / "step_000050" / "model")  # a smoke run's: no tokenizer files

@@ -28,6 +28,7 @@ import torch
 from minigrpo.model.checkpoint import save_model
 from minigrpo.model.config import ModelConfig
 from minigrpo.model.qwen2 import Qwen2ForCausalLM, init_weights
+from minigrpo.model.tokenizer import Tokenizer
 from minigrpo.run.cli import OneLineParser
 
 DEFAULT_REPO = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -78,6 +79,8 @@ def check_out(p: argparse.ArgumentParser, out: Path, random_init: bool, overwrit
         p.error(f"--out {given}: the root cannot be a model directory; choose another --out")
     if out.exists() and not out.is_dir():
         p.error(f"--out {given} is a file, not a directory; choose another --out")
+    if random_init and out.is_symlink():  # replacing the directory would replace the link, not what it names
+        p.error(f"--out {given} is a symbolic link; give the directory it points to, {out.resolve()}")
     parent = next(a for a in out.parents if a.exists())
     if not parent.is_dir():
         p.error(f"--out {given}: {parent} is a file, not a directory; choose another --out")
@@ -111,6 +114,20 @@ def check_config(p: argparse.ArgumentParser, config: Path) -> None:
         p.error(f"--config: {e}")  # the message names the file
 
 
+def check_tokenizer(p: argparse.ArgumentParser, tok_dir: Path, vocab_size: int) -> None:
+    """A one-line error where the tokenizer beside the model (if any) has ids past the config's vocab_size: the
+    model could not embed its prompts."""
+    if not (tok_dir / "tokenizer.json").is_file():
+        return
+    try:
+        ids = Tokenizer.from_dir(tok_dir).vocab_size
+    except (OSError, ValueError) as e:
+        p.error(f"the tokenizer in {tok_dir} cannot be read: {e}")
+    if ids > vocab_size:
+        p.error(f"the tokenizer in {tok_dir} has {ids} token ids but the config's vocab_size is {vocab_size}; use a "
+                f"config and a tokenizer of the same model (--tokenizer-dir)")
+
+
 def resolve_model_dir(model_dir: str | Path | None) -> Path:
     """`model_dir` if given (train.py's and evaluate.py's --model-dir); otherwise DEFAULT_DIR, downloaded when
     missing."""
@@ -119,9 +136,10 @@ def resolve_model_dir(model_dir: str | Path | None) -> Path:
         if (model_dir / "model" / "config.json").is_file():  # a training checkpoint: its model is one level down
             raise FileNotFoundError(f"{model_dir} is a checkpoint, not a model directory: pass --model-dir "
                                     f"{model_dir / 'model'}")
-        if (model_dir / "checkpoints").is_dir():  # a run folder: its models are in its checkpoints
+        if (model_dir / "checkpoints").is_dir() or (model_dir / "latest").is_file():  # a run's: its models are
+            ckpts = model_dir / "checkpoints" if (model_dir / "checkpoints").is_dir() else model_dir  # in step_*/
             raise FileNotFoundError(f"{model_dir} is a run folder, not a model directory: pass --model-dir "
-                                    f"{model_dir / 'checkpoints' / 'step_<N>' / 'model'}")
+                                    f"{ckpts / 'step_<N>' / 'model'}")
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json); download one with "
                                     f"`python weights/download.py --out {model_dir}`")
@@ -179,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             config = args.config or download(args.repo, Path(tmp), args.revision, allow=NO_WEIGHTS)
             tok_dir = args.tokenizer_dir or (config if config.is_dir() else config.parent)
+            check_tokenizer(p, tok_dir, ModelConfig.from_json(config).vocab_size)
             try:
                 write_random(config, out, args.seed, getattr(torch, args.dtype), tok_dir, args.device)
             except (OSError, ValueError) as e:  # the Hub's config unsupported, --out unwritable, disk full

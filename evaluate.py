@@ -29,8 +29,14 @@ from minigrpo.tasks.task import add_task_flags, load_task, prompt_budget
 from weights.download import resolve_model_dir
 
 
-def check_out(p: argparse.ArgumentParser, out: Path, overwrite: bool) -> None:
-    """A one-line error, before anything is evaluated, where the results could not be written to `out`."""
+def check_out(p: argparse.ArgumentParser, out: Path, overwrite: bool, *, test_data: str | None,
+              model_dir: str | None) -> None:
+    """A one-line error, before anything is evaluated, where the results could not be written to `out`, or would
+    be written over the inputs (--test-data, or a file in --model-dir)."""
+    if test_data is not None and Path(test_data).exists() and out.exists() and out.samefile(test_data):
+        p.error(f"--out {out} is the --test-data file; write the results elsewhere")
+    if model_dir is not None and out.resolve().is_relative_to(Path(model_dir).resolve()):
+        p.error(f"--out {out} lies in the --model-dir it evaluates; write the results elsewhere")
     if out.is_dir():
         p.error(f"--out {out} is a directory; give a file path, e.g. {out / 'eval.jsonl'}")
     parent = out.parent
@@ -86,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     parse_device(p, args.device)
     if args.out is not None:
-        check_out(p, args.out, args.overwrite)
+        check_out(p, args.out, args.overwrite, test_data=args.test_data, model_dir=args.model_dir)
     if args.limit is not None and args.limit < 1:
         p.error(f"--limit must be >= 1, got {args.limit}")
     if args.eval_samples < 1 or args.eval_temperature < 0 or not math.isfinite(args.eval_temperature):
@@ -94,12 +100,6 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.eval_temperature}")
     if args.seed < 0:
         p.error(f"--seed must be >= 0, got {args.seed}")
-    if args.out is not None and args.test_data is not None and Path(args.test_data).exists() and args.out.exists() \
-            and args.out.samefile(args.test_data):
-        p.error(f"--out {args.out} is the --test-data file; write the results elsewhere")
-    if args.out is not None and args.model_dir is not None and \
-            args.out.resolve().is_relative_to(Path(args.model_dir).resolve()):
-        p.error(f"--out {args.out} lies in the --model-dir it evaluates; write the results elsewhere")
     if args.eval_samples > 1 and args.eval_temperature == 0:
         p.error(f"--eval-samples {args.eval_samples} at --eval-temperature 0 would be copies of one greedy "
                 f"completion; pass --eval-temperature > 0")

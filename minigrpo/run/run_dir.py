@@ -41,7 +41,7 @@ def check_out(out: Path, *, resume: str | None, overwrite: bool) -> None:
                          f"not into it: choose another --out")
     found = run_files(out)
     if found and _locked(out):
-        raise ValueError(f"another process is running in --out {out}; wait for it to end, or choose another --out")
+        raise ValueError(_busy(out))
     resumes_out = resume == "" or (resume is not None and Path(resume).resolve().is_relative_to(out.resolve()))
     if overwrite and resumes_out:
         raise ValueError("--overwrite moves the run in --out aside, --resume continues it: pass one of them")
@@ -86,15 +86,25 @@ def move_aside(out: Path) -> Path | None:
     return aside
 
 
+def _busy(out: Path) -> str:
+    return f"another process is running in --out {out}; wait for it to end, or choose another --out"
+
+
+def _try_lock(fd: int) -> bool:
+    """Take the exclusive lock of the open folder `fd` without waiting: False when another process holds it.
+    OSError where the filesystem takes no locks."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
 def _locked(out: Path) -> bool:
     """Whether another process holds `out`'s lock (locked_out) now."""
     fd = os.open(out, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
+        return not _try_lock(fd)  # closing fd releases a lock taken here
     except OSError:  # a filesystem without locks: locked_out warns
         return False
     finally:
@@ -111,10 +121,8 @@ def locked_out(out: Path):
     fd = os.open(out, os.O_RDONLY)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"another process is running in --out {out}; wait for it to end, or choose another "
-                             f"--out") from None
+            if not _try_lock(fd):
+                raise ValueError(_busy(out))
         except OSError as e:  # a filesystem without locks (Lustre mounted without flock, some FUSE): run unlocked
             warnings.warn(f"--out {out}: its filesystem takes no locks ({e.strerror}); a second run started there "
                           f"while this one runs would not be refused", stacklevel=3)

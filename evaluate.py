@@ -4,7 +4,8 @@
     python evaluate.py --model-dir DIR --task math --template r1 --eval-samples 8 --eval-temperature 1
     torchrun --nproc-per-node 4 evaluate.py ...     # each rank evaluates its share of the examples
 
-It takes train.py's task, template and evaluation flags; the numbers are minigrpo/rl/evaluate.py's.
+It takes train.py's task, template and evaluation flags (--eval-limit, --eval-max-new-tokens and --eval-batch-size
+also as --limit, --max-new-tokens and --batch-size); the numbers are minigrpo/rl/evaluate.py's.
 """
 
 from __future__ import annotations
@@ -72,12 +73,15 @@ def main(argv: list[str] | None = None) -> None:
                         "when missing)")
     p.add_argument("--test-data", default=None, help="test jsonl (default: the task's test split from the Hub)")
     add_task_flags(p)
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N test examples (default all)")
+    p.add_argument("--limit", "--eval-limit", type=int, default=None,
+                   help="evaluate only the first N test examples (default all)")
     p.add_argument("--eval-samples", type=int, default=1, help="completions per example (default 1)")
     p.add_argument("--eval-temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampled completions (default 0)")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="generation budget per answer (default 512)")
-    p.add_argument("--batch-size", type=int, default=128, help="prompts generated together (default 128)")
+    p.add_argument("--max-new-tokens", "--eval-max-new-tokens", type=int, default=512,
+                   help="generation budget per answer (default 512)")
+    p.add_argument("--batch-size", "--eval-batch-size", type=int, default=128,
+                   help="prompts generated together (default 128)")
     p.add_argument("--attn", choices=ATTN_BACKENDS, default=None,
                    help="rollout backend: the reference generator or the fast engine with this attention "
                         "(default: triton on CUDA, reference on CPU)")

@@ -27,13 +27,11 @@ resumes it and exits with 130 / 143; a second Ctrl-C stops at once, keeping the 
 from __future__ import annotations
 
 import contextlib
-import random
 import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from minigrpo.engine.config import EngineConfig
@@ -61,7 +59,7 @@ def build_smoke(args):
     from minigrpo.tasks.synthetic import CharTokenizer, CopyTask, FirstDigitTask, tiny_policy
 
     # The tiny model's ops are too small to split across threads: with several, OpenMP synchronisation
-    # dominates, and on a busy CI machine a step gets 5x slower. One thread is the fastest.
+    # dominates, and on a busy machine a step gets several times slower. One thread is the fastest.
     torch.set_num_threads(1)
     tokenizer = CharTokenizer()
     model = tiny_policy(tokenizer.vocab_size, seed=args.seed, device=args.device).to(WEIGHT_DTYPES[args.weights])
@@ -168,9 +166,6 @@ def fit_memory(args, model_cfg, train, test, dist: distributed.Dist) -> TrainCon
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv, description=__doc__)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
     out = Path(args.out)
     try:
         check_out(out, resume=args.resume, overwrite=args.overwrite)  # every rank, before any rank moves it
@@ -197,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args, dist, out: Path, argv: list[str], locks: contextlib.ExitStack) -> int:
     """Build, resume and run; rank 0 holds the run folder's locks (`locked_out`) in `locks`, the caller's."""
     try:
+        dist.barrier()  # every rank's check_out has probed the folder's lock before rank 0 takes it
         if dist.is_main:
             locks.enter_context(locked_out(out))
             aside = move_aside(out) if args.overwrite else None

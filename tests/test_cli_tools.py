@@ -140,8 +140,8 @@ def test_evaluate_checks_out_before_evaluating(tmp_path, out, message):
 def test_evaluate_out_is_replaced_only_with_overwrite_and_whole(tmp_path, tiny_qwen_dir):
     out = tmp_path / "eval.jsonl"
     out.write_text("earlier results\n")
-    common = ["evaluate.py", "--model-dir", str(tiny_qwen_dir), "--test-data", str(GSM8K_TEST), "--limit", "2",
-              "--max-new-tokens", "2", "--device", "cpu", "--out", str(out)]
+    common = ["evaluate.py", "--model-dir", str(tiny_qwen_dir), "--test-data", str(GSM8K_TEST), "--eval-limit", "2",
+              "--eval-max-new-tokens", "2", "--device", "cpu", "--out", str(out)]  # train.py's names for these
     refused(run(common), f"--out {out} already exists; pass --overwrite")
     assert out.read_text() == "earlier results\n"
     proc = run([*common, "--overwrite"])

@@ -190,7 +190,8 @@ def test_decode_step_traces_with_zero_graph_breaks(model, attn):
     engine = make_engine(model, attn=attn)
     sampler = "triton" if attn == "triton" else "torch"
     explain = torch._dynamo.explain(decode_step)(engine.model, attn, SamplingParams(1.0), **engine.state.step_args(8),
-                                                  k_pools=engine.kv.k, v_pools=engine.kv.v, sampler=sampler)
+                                                  k_pools=engine.kv.k, v_pools=engine.kv.v, sampler=sampler,
+                                                  num_splits=engine.runner.num_splits)
     assert explain.graph_break_count == 0, explain.break_reasons
     assert explain.graph_count == 1
 

@@ -290,8 +290,9 @@ def test_each_rank_sizes_its_engine_to_its_share():
         assert engine.cfg.max_batch == 32 // world and engine.cfg.bucket_sizes()[-1] == 32 // world
         e = train.memory_estimator(args, model.config, tr, te, world)(args.cfg)
         assert nbytes(engine.kv.k + engine.kv.v) == e.resident["kv_pool"]
-    # an evaluation example's samples decode together: 32 of them on a rank whose rollout share is 8
-    args = train.parse_args(["--preset", "smoke", "--attn", "sdpa", "-B", "4", "-G", "8", "--eval-samples", "32",
+    # an evaluation example's samples decode together: 32 of them on a rank whose rollout share is 4, and more
+    # than a whole step's B x G = 16
+    args = train.parse_args(["--preset", "smoke", "--attn", "sdpa", "-B", "2", "-G", "8", "--eval-samples", "32",
                              "--eval-temperature", "1"])
     engine = train.build_backend(args, model, tok, tr, te, world=4)
     assert engine.cfg.max_batch == 32

@@ -4,6 +4,7 @@ The interrupt and crash tests run the real train.py in a subprocess, on the smok
 (4 prompts x 4 samples: a step takes tens of milliseconds, a start about four seconds, mostly `import torch`).
 """
 
+import fcntl
 import json
 import os
 import random
@@ -363,6 +364,22 @@ def test_a_second_run_into_a_running_out_is_refused(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_ranks_probing_a_run_folder_together_do_not_see_each_other(tmp_path):
+    # Under torchrun every rank runs check_out at once: one rank's probe of the lock must not read as a run.
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    other = os.open(out, os.O_RDONLY)  # flock locks belong to the open file: this fd is another rank, or run
+    try:
+        fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)  # another rank's probe, at this moment
+        check_out(out, resume="", overwrite=False)
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a run holding the folder (locked_out)
+        with pytest.raises(ValueError, match="another process is running in --out"):
+            check_out(out, resume="", overwrite=False)
+    finally:
+        os.close(other)
 
 
 def test_a_start_that_fails_leaves_no_folder_behind(tmp_path):

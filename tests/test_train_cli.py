@@ -63,7 +63,7 @@ def test_help_documents_every_flag_and_each_default_once():
     (["--lr", "inf"], "--lr must be a finite number, got inf"),
     (["--beta", "nan"], "--beta must be a finite number, got nan"),
     (["--lr=-1e-3"], "--lr must be in (0, 1), got -0.001"),
-    (["--seed", "-1"], "--seed must be in [0, 2^32), got -1"),
+    (["--seed", "-1"], "--seed must be in [0, 2^63), got -1"),
     (["--min-lr-ratio=-0.1"], "--min-lr-ratio must be in [0, 1], got -0.1"),
     (["--no-tis", "--tis-cap", "5"], "--tis-cap 5.0 caps the TIS weights that --no-tis turns off; drop one of them"),
     (["--min-lr-ratio", "0.5"], "--min-lr-ratio 0.5 is the cosine schedule's floor, and --lr-schedule is 'constant': "
@@ -90,6 +90,8 @@ def test_help_documents_every_flag_and_each_default_once():
     (["--weights", "bf16", "--weight-decay", "0.01"], "--weight-decay 0.01 at --lr 1e-06 shrinks bf16 parameters by "
      "1.0e-08 per step, below the 1e-06 that their fp32 update and 16-bit stochastic rounding carry (it would be "
      "lost, wholly or in part): use --weights fp32, or --weight-decay 0 or >= 1"),
+    (["--weights", "bf16", "--lr", "1e-5", "--weight-decay", "0.1", "--lr-schedule", "cosine", "--min-lr-ratio",
+      "0.1"], "--weight-decay 0.1 at --lr 1e-05 x --min-lr-ratio 0.1 shrinks bf16 parameters by 1.0e-07 per step"),
     (["--preset", "smoke", "--out", "README.md"], "--out README.md is a file, not a folder; choose another --out"),
     (["--preset", "smoke", "--attn", "triton", "--out", "{tmp}/out"],
      "--attn triton runs Triton kernels, which need a CUDA GPU; on the CPU use --attn sdpa (or set TRITON_INTERPRET=1 "

@@ -3,7 +3,6 @@
 import copy
 import json
 import math
-import random
 from types import SimpleNamespace
 
 import numpy as np
@@ -474,8 +473,6 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, weights, attn):
     first = _synthetic_trainer(tmp_path / "split", attn, **cfg)
     first.step(), first.step()
     ckpt = first.save()
-    state = torch.load(ckpt / STATE_FILE, weights_only=True)  # older checkpoints saved the global RNGs: ignored
-    torch.save({**state, "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}, ckpt / STATE_FILE)
     torch.manual_seed(123)  # disturb the global RNGs: the resumed run must not depend on them
     second = _synthetic_trainer(tmp_path / "split", attn, **cfg)
     second.resume(tmp_path / "split")
@@ -499,10 +496,10 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, weights, attn):
     leaner = _synthetic_trainer(tmp_path / "leaner", **{**cfg, "micro_batch_size": 8, "logprob_chunk_size": 64})
     leaner.resume(ckpt)  # memory-only settings: what the memory check suggests after an out-of-memory stop
     assert leaner.step_idx == 2
-    state = torch.load(ckpt / STATE_FILE, weights_only=False)  # as checkpoints before named optimizer state
-    state["optimizer"]["state"] = dict(enumerate(state["optimizer"]["state"].values()))
+    state = torch.load(ckpt / STATE_FILE, weights_only=True)
+    del state["inputs"]  # without its fingerprints a resume could not tell another data set or model
     torch.save(state, ckpt / STATE_FILE)
-    with pytest.raises(ValueError, match="optimizer state is numbered, not named by parameter"):
+    with pytest.raises(ValueError, match=r"trainer_state.pt cannot be read \(KeyError: 'it lacks inputs'\)"):
         _synthetic_trainer(tmp_path / "old", **cfg).resume(ckpt)
 
 
@@ -631,9 +628,6 @@ def test_config_rejects_bad_values():
         TrainConfig(prompts_per_step=4, samples_per_prompt=8, minibatch_size=48)
     with pytest.raises(ValueError, match="samples_per_prompt must be >= 2"):
         TrainConfig(samples_per_prompt=1)
-    with pytest.raises(ValueError, match="top_p=0.9: the engine would sample from the nucleus alone while the "
-                                         "trainer scores the full distribution"):
-        TrainConfig(top_p=0.9)  # never a silent off-policy bias
     with pytest.raises(ValueError, match="tis_cap must be >= 1"):
         TrainConfig(tis_cap=0.5)
     with pytest.raises(ValueError, match="need 0 < eps < 1 and eps_high > 0, got eps=1.5"):

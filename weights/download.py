@@ -64,11 +64,11 @@ def write_random(config_path: Path, out: Path, seed: int, dtype: torch.dtype,
     `device` (each device's generator draws other numbers). Written atomically; what `out` held is replaced,
     so main refuses a non-empty `out` without --overwrite."""
     cfg = ModelConfig.from_json(config_path)
-    with torch.device("meta"):  # no default initialisation: init_weights sets every parameter (a 7B in half the time)
+    with torch.device("meta"):  # no default initialisation: init_weights sets every parameter, once
         model = Qwen2ForCausalLM(cfg)
     model.to_empty(device=device).tie_weights()
-    init_weights(model, torch.Generator(device).manual_seed(seed), std=0.02)
-    return save_model(model.to(dtype), out, tokenizer_dir=tokenizer_dir)
+    init_weights(model, torch.Generator(device).manual_seed(seed))
+    return save_model(model, out, tokenizer_dir=tokenizer_dir, dtype=dtype)
 
 
 def check_out(p: argparse.ArgumentParser, out: Path, random_init: bool, overwrite: bool) -> Path:
@@ -101,7 +101,7 @@ def check_out(p: argparse.ArgumentParser, out: Path, random_init: bool, overwrit
 
 def _model_file(name: str) -> bool:
     """Whether `name` is a file a model directory holds (what --random-init --overwrite may delete)."""
-    return name in ALLOW or fnmatch.fnmatch(name, "*.safetensors")
+    return any(fnmatch.fnmatch(name, pattern) for pattern in ALLOW)
 
 
 def check_config(p: argparse.ArgumentParser, config: Path) -> None:

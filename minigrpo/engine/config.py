@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from minigrpo.model.config import ModelConfig
+
 BACKENDS = ("eager", "sdpa", "triton")  # decode attention (minigrpo/engine/attention.py)
 
 
@@ -45,6 +47,10 @@ class EngineConfig:
         """Block-table entries per sequence: pages for max_seq_len tokens."""
         return math.ceil(self.max_seq_len / self.page_size)
 
+    def page_bytes(self, model: ModelConfig, itemsize: int) -> int:
+        """Bytes one KV page holds: K and V of page_size tokens in every layer, itemsize bytes per value."""
+        return 2 * model.num_hidden_layers * self.page_size * model.num_key_value_heads * model.head_dim * itemsize
+
     def kv_page_count(self, free_bytes: int | None, page_bytes: int) -> int:
         """The KV pool's pages: kv_pages, or enough for every slot at max_seq_len (plus the scratch page),
         capped at kv_memory_fraction of free_bytes where that is known (on CUDA)."""
@@ -56,5 +62,5 @@ class EngineConfig:
         return max(2, min(pages, int(free_bytes * self.kv_memory_fraction) // page_bytes))
 
     def bucket_sizes(self) -> tuple[int, ...]:
-        smaller = tuple(b for b in (8, 16, 32, 64, 128, 256, 512, 1024) if b < self.max_batch)
+        smaller = tuple(1 << i for i in range(3, self.max_batch.bit_length()) if 1 << i < self.max_batch)
         return self.buckets or smaller + (self.max_batch,)

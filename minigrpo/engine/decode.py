@@ -5,7 +5,7 @@ layers. When the policy's parameters have the engine's dtype and device (`--weig
 `load_from` makes each one a view of the slice that holds it, so the optimizer updates the engine in
 place; otherwise it copies after each update. The buffers never move, so captured CUDA graphs stay valid.
 
-Shape legend: B batch slots (in a prefill: prompts), T prompt length, C hidden, H query heads, K kv heads, D head
+Shape legend: B batch slots (in a prefill: prompts), T prompt length, C hidden, Hq query heads, Hkv kv heads, D head
 dim, F MLP width, V vocabulary, L layers, M block-table width, S page size, W output width (max_seq_len + 1, the
 last column scratch).
 """
@@ -18,11 +18,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.nn.attention import sdpa_kernel
 
 import kernels  # noqa: F401  (registers torch.ops.minigrpo.*)
 from minigrpo.engine.attention import decode_attention
 from minigrpo.model.config import ModelConfig
-from minigrpo.model.qwen2 import Qwen2ForCausalLM, apply_rope, rms_norm, rope_cos_sin
+from minigrpo.model.qwen2 import NOT_CUDNN, Qwen2ForCausalLM, apply_rope, rms_norm, rope_cos_sin
 from minigrpo.model.sampling import SAMPLE_CHUNK, SamplingParams, sample
 
 
@@ -32,12 +33,12 @@ class DecodeModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int):
         super().__init__()
         self.cfg = cfg
-        L, C, H, K, D, Fw, V = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
-                                cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
-        self.qkv_sizes = (H * D, K * D, K * D)
-        shapes = {"embed": (V, C), "ln1": (L, C), "w_qkv": (L, (H + 2 * K) * D, C), "b_qkv": (L, (H + 2 * K) * D),
-                  "w_o": (L, C, H * D), "ln2": (L, C), "w_gate_up": (L, 2 * Fw, C), "w_down": (L, C, Fw),
-                  "norm": (C,), "lm_head": (V, C)}
+        L, C, Hq, Hkv, D, Fw, V = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
+                                   cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
+        self.qkv_sizes = (Hq * D, Hkv * D, Hkv * D)
+        shapes = {"embed": (V, C), "ln1": (L, C), "w_qkv": (L, (Hq + 2 * Hkv) * D, C),
+                  "b_qkv": (L, (Hq + 2 * Hkv) * D), "w_o": (L, C, Hq * D), "ln2": (L, C), "w_gate_up": (L, 2 * Fw, C),
+                  "w_down": (L, C, Fw), "norm": (C,), "lm_head": (V, C)}
         for name, shape in shapes.items():
             tied = name == "lm_head" and cfg.tie_word_embeddings
             self.register_buffer(name, self.embed if tied else torch.empty(shape, dtype=dtype, device=device))
@@ -93,41 +94,42 @@ class DecodeModel(nn.Module):
         Right padding needs no mask: causal attention never lets a real token see a pad after it."""
         cfg = self.cfg
         B, T = ids.shape
-        H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         x = F.embedding(ids, self.embed)                                           # (B, T, C)
         cos, sin = (t[:T].to(x.dtype)[None, :, None] for t in (self.cos, self.sin))  # (1, T, 1, D) each
         flat_slots = slots.reshape(-1)                                              # (B*T,)
         for i in range(cfg.num_hidden_layers):
             h = rms_norm(x, self.ln1[i], cfg.rms_norm_eps)
             q, k, v = F.linear(h, self.w_qkv[i], self.b_qkv[i]).split(self.qkv_sizes, dim=-1)
-            q = apply_rope(q.view(B, T, H, D), cos, sin)                            # (B, T, H, D)
-            k = apply_rope(k.view(B, T, K, D), cos, sin)                            # (B, T, K, D)
-            v = v.view(B, T, K, D)
+            q = apply_rope(q.view(B, T, Hq, D), cos, sin)                           # (B, T, Hq, D)
+            k = apply_rope(k.view(B, T, Hkv, D), cos, sin)                          # (B, T, Hkv, D)
+            v = v.view(B, T, Hkv, D)
             for pool, rows in ((k_pools[i], k), (v_pools[i], v)):                 # the K/V cache store
-                pool.view(-1, K, D).index_copy_(0, flat_slots, rows.reshape(-1, K, D))
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, enable_gqa=True)     # (B, H, T, D)
-            x = x + F.linear(y.transpose(1, 2).reshape(B, T, H * D), self.w_o[i])
+                pool.view(-1, Hkv, D).index_copy_(0, flat_slots, rows.reshape(-1, Hkv, D))
+            with sdpa_kernel(NOT_CUDNN):  # the trainer's kernels (qwen2.Attention), so the first token's too
+                y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   is_causal=True, enable_gqa=True)  # (B, Hq, T, D)
+            x = x + F.linear(y.transpose(1, 2).reshape(B, T, Hq * D), self.w_o[i])
             x = self._mlp(i, x)
         last = x[torch.arange(B, device=ids.device), lens - 1]                      # (B, C)
         return F.linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head)  # (B, V)
 
     def decode_logits(self, attn: str, tok, pos, block_table, live, k_pools: list[torch.Tensor],
-                      v_pools: list[torch.Tensor], num_splits: int = 0) -> torch.Tensor:
+                      v_pools: list[torch.Tensor], num_splits: int) -> torch.Tensor:
         """One token per slot -> next-token logits (B, V). Finished / empty slots (live False) store nothing
         and attend over nothing; their logits are garbage that the bookkeeping ignores."""
         cfg = self.cfg
         B = tok.shape[0]
-        H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         seq_lens = torch.where(live, pos.int() + 1, 0)                              # (B,) int32, 0 = store nothing
         x = F.embedding(tok, self.embed)                                            # (B, C)
         cos, sin = (t[pos].to(x.dtype) for t in (self.cos, self.sin))              # (B, D) each, all layers
         for i in range(cfg.num_hidden_layers):
             h = rms_norm(x, self.ln1[i], cfg.rms_norm_eps)
             q, k, v = F.linear(h, self.w_qkv[i], self.b_qkv[i]).split(self.qkv_sizes, dim=-1)
-            o = decode_attention(attn, q.view(B, H, D), k.view(B, K, D), v.view(B, K, D), k_pools[i], v_pools[i],
-                                 block_table, seq_lens, cos, sin, D ** -0.5, num_splits)  # (B, H, D)
-            x = x + F.linear(o.reshape(B, H * D), self.w_o[i])
+            o = decode_attention(attn, q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D), k_pools[i],
+                                 v_pools[i], block_table, seq_lens, cos, sin, D ** -0.5, num_splits)  # (B, Hq, D)
+            x = x + F.linear(o.reshape(B, Hq * D), self.w_o[i])
             x = self._mlp(i, x)
         return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)     # (B, V)
 
@@ -139,21 +141,23 @@ def sample_tokens(logits, params: SamplingParams, seed, ctr, sampler: str):
     return sample(logits, params, seed, ctr)
 
 
-ANY_TOKEN, NO_STOP = -1, -3  # in a row of `stops`: pads a shorter sequence on the left / marks a row unused
+# Not token ids: in a row of `stops`, ANY_TOKEN pads a shorter sequence on the left and NO_STOP marks the row unused;
+# NO_TOKEN stands for the columns before a slot's first output token, so that it matches neither.
+ANY_TOKEN, NO_TOKEN, NO_STOP = -1, -2, -3
 
 
 def ends_with_stop(out_tok, ctr, stops):
     """(B,) bool: whether each slot's first ctr output tokens end with one of the stop sequences.
-    out_tok (B, W), ctr (B,), stops (n_stop, L) int64: sequences right-aligned, left-padded with ANY_TOKEN
-    (a stop id is ANY_TOKEN x (L-1) then the id); unused rows hold NO_STOP."""
-    L = stops.shape[1]
-    idx = ctr[:, None] - L + torch.arange(L, device=ctr.device)                      # (B, L) the last L columns
-    last = out_tok.gather(1, idx.clamp(min=0)).masked_fill(idx < 0, -2)              # before the output: no token
+    out_tok (B, W), ctr (B,), stops (n_stop, n) int64: sequences right-aligned, left-padded with ANY_TOKEN
+    (a stop id is ANY_TOKEN x (n-1) then the id); unused rows hold NO_STOP."""
+    n = stops.shape[1]
+    idx = ctr[:, None] - n + torch.arange(n, device=ctr.device)                      # (B, n) the last n columns
+    last = out_tok.gather(1, idx.clamp(min=0)).masked_fill(idx < 0, NO_TOKEN)        # (B, n)
     return ((last[:, None, :] == stops) | (stops == ANY_TOKEN)).all(-1).any(-1)
 
 
 def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp,
-            sampler: str = "torch") -> None:
+            sampler: str) -> None:
     """Sample each live slot's next token and update the slot state in place (no host sync): tok/pos/ctr/
     seed/limit (B,) int64, done (B,) bool, stops (`ends_with_stop`), out_tok/out_logp (B, W).
     A finished slot keeps its state; its sample goes to the scratch column W-1."""
@@ -170,8 +174,7 @@ def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, st
 
 
 def decode_step(model: DecodeModel, attn: str, params: SamplingParams, tok, pos, ctr, seed, limit, done,
-                block_table, out_tok, out_logp, stops, k_pools, v_pools, sampler: str = "torch",
-                num_splits: int = 0) -> None:
+                block_table, out_tok, out_logp, stops, k_pools, v_pools, sampler: str, num_splits: int) -> None:
     """The whole decode step, the unit `--compile step` compiles and CUDA graphs capture: static shapes but the batch,
     every state update an in-place write into a preallocated buffer, so it replays N times in a row, no host input."""
     logits = model.decode_logits(attn, tok, pos, block_table, ~done, k_pools, v_pools, num_splits)

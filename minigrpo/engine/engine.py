@@ -43,7 +43,7 @@ class Engine:
         self.model_cfg, self.cfg, self.device = model_cfg, cfg, device
         self.model = DecodeModel(model_cfg, dtype, device, max_positions=cfg.max_seq_len)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-        pages = cfg.kv_page_count(free, KVCache.bytes_per_page(model_cfg, cfg.page_size, dtype))
+        pages = cfg.kv_page_count(free, cfg.page_bytes(model_cfg, dtype.itemsize))
         self.kv = KVCache(model_cfg, pages, cfg.page_size, dtype, device)
         self.state = SlotState(cfg.max_batch, cfg.table_width, cfg.max_seq_len + 1, device)
         self.runner = StepRunner(self.model, self.kv, self.state, cfg)
@@ -69,11 +69,12 @@ class Engine:
         completion is a pure function of (weights, prompt, seed), whatever else shares its batch."""
         G, st = samples_per_prompt, self.state
         N = len(prompts) * G
-        rows = self._check_request(prompts, G, max_new_tokens, stop_ids, seeds)
+        stops = _stop_rows(stop_ids, self.model_cfg.vocab_size)
+        self._check_request(prompts, G, max_new_tokens, seeds)
         seeds = list(seeds) if seeds is not None else list(range(N))
-        # A stop id or token sequence per row, right-aligned (decode.ends_with_stop): one copy to the device.
-        st.stops.copy_(torch.tensor([(ANY_TOKEN,) * (STOP_LEN - len(s)) + s for s in rows]
-                                    + [(NO_STOP,) * STOP_LEN] * (MAX_STOPS - len(rows))))
+        # One stop id or token sequence per row of st.stops, right-aligned (decode.ends_with_stop): one copy.
+        st.stops.copy_(torch.tensor([(ANY_TOKEN,) * (STOP_LEN - len(s)) + s for s in stops]
+                                    + [(NO_STOP,) * STOP_LEN] * (MAX_STOPS - len(stops))))
         seq_pages: dict[int, list[int]] = {}  # pages held by each admitted, unfinished sequence
         try:
             finished_rows = self._decode_all(prompts, G, max_new_tokens, params, seeds, seq_pages)
@@ -99,16 +100,17 @@ class Engine:
         slot_seq: list[int] = []             # host mirror: sequence id of each live slot, in slot order
         finished_rows = []
         while waiting or slot_seq:
-            admitted = []
-            while waiting and len(slot_seq) + G * (len(admitted) + 1) <= cfg.max_batch \
-                    and self._pages_for(len(prompts[waiting[0]]), G, max_new_tokens) <= self.kv.num_free:
-                admitted.append(waiting.popleft())  # its pages reserved now: the next candidate sees what is left
-                seq_pages.update(self._reserve(admitted[-1], len(prompts[admitted[-1]]), G, max_new_tokens))
+            admitted = self._admit(waiting, prompts, G, max_new_tokens, len(slot_seq), seq_pages)
             if not admitted and not slot_seq:  # every group fits an empty cache (_check_request): pages leaked
                 raise OutOfPages(f"nothing decoding, yet only {self.kv.num_free} of {self.kv.capacity} KV pages are "
                                  f"free for the next group")
             if admitted:
-                self._prefill(admitted, prompts, G, max_new_tokens, params, seeds, seq_pages, slot_seq)
+                logits = self._prefill(admitted, prompts, G, seq_pages)                    # (groups, V)
+                new = [g * G + j for g in admitted for j in range(G)]                      # group-major
+                self._start_slots(new, logits.repeat_interleave(G, 0), [len(prompts[s // G]) for s in new],
+                                  [seq_pages[s] for s in new], [seeds[s] for s in new], max_new_tokens, params,
+                                  first_slot=len(slot_seq))
+                slot_seq.extend(new)
             n = len(slot_seq)
             done = self._run_round(next(b for b in cfg.bucket_sizes() if b >= n), n, params)
             finished = [i for i in range(n) if done[i]]
@@ -124,6 +126,17 @@ class Engine:
                 slot_seq = [slot_seq[i] for i in keep]
         return finished_rows
 
+    def _admit(self, waiting: deque, prompts, G: int, max_new: int, live: int, seq_pages: dict) -> list[int]:
+        """Take groups from the front of `waiting` while their G slots and worst-case pages fit, reserving each
+        one's pages at once (so the next candidate sees what is left). -> the groups admitted."""
+        admitted = []
+        while waiting and live + G * (len(admitted) + 1) <= self.cfg.max_batch:
+            if self._pages_for(len(prompts[waiting[0]]), G, max_new) > self.kv.num_free:
+                break
+            admitted.append(waiting.popleft())
+            seq_pages.update(self._reserve(admitted[-1], len(prompts[admitted[-1]]), G, max_new))
+        return admitted
+
     def _run_round(self, B: int, n: int, params: SamplingParams) -> list[bool]:
         """`sync_every` decode steps on bucket B -> the done mask of the first n slots, one step stale: it is
         copied after the next-to-last step and read while the last runs, so the GPU never idles on this one
@@ -138,8 +151,8 @@ class Engine:
             self._done_copied.synchronize()
         return st.done_host[:n].tolist()
 
-    def _check_request(self, prompts, G, max_new_tokens, stop_ids, seeds) -> list[tuple[int, ...]]:
-        """One-line errors for a request the engine cannot serve; returns the stops as token tuples."""
+    def _check_request(self, prompts, G, max_new_tokens, seeds) -> None:
+        """One-line errors for a request the engine cannot serve (the stops: _stop_rows)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt, and every prompt at least one token")
         if G < 1 or G > self.cfg.max_batch:
@@ -151,7 +164,6 @@ class Engine:
             raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the engine's "
                              f"max_seq_len {self.cfg.max_seq_len}; raise EngineConfig.max_seq_len")
         vocab = self.model_cfg.vocab_size
-        rows = _stop_rows(stop_ids, vocab)
         if seeds is not None and len(seeds) != len(prompts) * G:
             raise ValueError(f"need one seed per sequence ({len(prompts) * G}), got {len(seeds)}")
         if any(t < 0 or t >= vocab for p in prompts for t in p):
@@ -161,7 +173,6 @@ class Engine:
             raise OutOfPages(f"one prompt group needs {need} KV pages (prompt {prompt_len} tokens, {G} samples x "
                              f"{max_new_tokens} new) but the cache has {self.kv.capacity}; raise "
                              f"EngineConfig.kv_pages / kv_memory_fraction or lower max_new_tokens")
-        return rows
 
     def _reserve(self, group: int, prompt_len: int, G: int, max_new: int) -> dict[int, list[int]]:
         """Pages for one group: the full prompt pages shared G ways, then each sample's private tail."""
@@ -169,9 +180,10 @@ class Engine:
         shared = self.kv.alloc(n_shared, holders=G)
         return {group * G + j: shared + self.kv.alloc(tail) for j in range(G)}
 
-    def _prefill(self, groups, prompts, G, max_new, params, seeds, seq_pages, slot_seq) -> None:
-        """Prefill each admitted prompt once, fan its K/V out to its G samples, sample their first tokens."""
-        S, st, dev = self.cfg.page_size, self.state, self.device
+    def _prefill(self, groups: list[int], prompts, G: int, seq_pages: dict) -> torch.Tensor:
+        """Prefill each admitted prompt once into its pages and fan its partial last page out to its G samples'
+        own pages. -> the last prompt token's logits (groups, V)."""
+        S, dev = self.cfg.page_size, self.device
         lens = [len(prompts[g]) for g in groups]
         ids = pad_sequence([torch.tensor(prompts[g]) for g in groups], batch_first=True)  # (groups, T), pad id 0
         slots = torch.full_like(ids, SCRATCH_PAGE * S)                                 # pads write to scratch
@@ -179,19 +191,23 @@ class Engine:
             t = torch.arange(lens[r])                    # sample 0 holds the partial page during prefill
             slots[r, :lens[r]] = torch.tensor(seq_pages[g * G])[t // S] * S + t % S
         logits = self.runner.prefill(ids.to(dev), torch.tensor(lens, device=dev), slots.to(dev))  # (groups, V)
-        partial = [(g, P // S) for g, P in zip(groups, lens) if P % S]  # partial prompt pages: sample 0's to 1..G-1
+        partial = [(g, n // S) for g, n in zip(groups, lens) if n % S]  # partial prompt pages: sample 0's to 1..G-1
         self.kv.copy_pages([seq_pages[g * G][i] for g, i in partial for _ in range(1, G)],
                            [seq_pages[g * G + j][i] for g, i in partial for j in range(1, G)])
-        seq_ids = [g * G + j for g in groups for j in range(G)]
-        rows = torch.arange(len(slot_seq), len(slot_seq) + len(seq_ids), device=dev)
-        seed = torch.tensor([seeds[s] for s in seq_ids], dtype=torch.int64, device=dev)
-        first, first_logp = sample_tokens(logits.repeat_interleave(G, 0), params, seed, torch.zeros_like(seed),
-                                          self.cfg.sampler)
+        return logits
+
+    def _start_slots(self, seq_ids: list[int], logits: torch.Tensor, prompt_lens: list[int], pages: list[list[int]],
+                     seeds: list[int], max_new: int, params: SamplingParams, first_slot: int) -> None:
+        """Sample each new sequence's first token from its prompt's logits (rows, V) and write its slot's state
+        into the rows after the live slots, [first_slot, first_slot + rows)."""
+        st, dev = self.state, self.device
+        rows = torch.arange(first_slot, first_slot + len(seq_ids), device=dev)
+        seed = torch.tensor(seeds, dtype=torch.int64, device=dev)
+        first, first_logp = sample_tokens(logits, params, seed, torch.zeros_like(seed), self.cfg.sampler)
         M = st.block_table.shape[1]  # one tensor for all the new rows, not one per sequence (host time)
-        table = torch.tensor([seq_pages[s] + [SCRATCH_PAGE] * (M - len(seq_pages[s])) for s in seq_ids],
-                             dtype=torch.int32)                                      # (rows, M)
+        table = torch.tensor([p + [SCRATCH_PAGE] * (M - len(p)) for p in pages], dtype=torch.int32)  # (rows, M)
         st.tok[rows] = first
-        st.pos[rows] = torch.tensor(lens, device=dev).repeat_interleave(G)
+        st.pos[rows] = torch.tensor(prompt_lens, device=dev)
         st.ctr[rows] = 1
         st.seed[rows] = seed
         st.limit[rows] = max_new
@@ -199,8 +215,6 @@ class Engine:
         st.out_tok[rows, 0] = first
         st.out_logp[rows, 0] = first_logp
         st.done[rows] = ends_with_stop(st.out_tok[rows], st.ctr[rows], st.stops) | (max_new <= 1)
-        slot_seq.extend(seq_ids)
-
 
 def _stop_rows(stop_ids, vocab: int) -> list[tuple[int, ...]]:
     """stop_ids -> one token tuple per stop (an id is a 1-token sequence), or a one-line error."""

@@ -7,7 +7,7 @@ tokens write into it, and unused block-table entries point at it so that every i
 reads is in range (an empty or finished decode slot stores nothing). Pages are handed out between decode
 steps, never inside the step.
 
-Shape legend: L layers, P pages, S page size (token slots per page), K kv heads, D head dim, N tokens.
+Shape legend: L layers, P pages, S page size (token slots per page), Hkv kv heads, D head dim.
 """
 
 from __future__ import annotations
@@ -26,24 +26,17 @@ class OutOfPages(RuntimeError):
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device | str):
-        if page_size <= 0 or page_size & (page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {page_size}")
-        if num_pages < 2:
-            raise ValueError(f"num_pages must be at least 2 (page 0 is scratch), got {num_pages}")
+        """num_pages >= 2 (page 0 is scratch) of page_size (a power of two) tokens: EngineConfig checks both."""
         L = cfg.num_hidden_layers
         shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         # One allocation per layer: torch.compile then writes the step's graph inputs in place, not via copies.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)]  # L x (P, S, K, D)
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)]  # L x (P, S, K, D)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)]  # L x (P, S, Hkv, D)
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)]  # L x (P, S, Hkv, D)
         self.page_size = page_size
         self.num_pages = num_pages
         self.capacity = num_pages - 1  # pages that can ever be handed out (all but the scratch page)
         self._refs = [0] * num_pages
         self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # pop() hands out low page ids first
-
-    @staticmethod
-    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-        return 2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
     @property
     def num_free(self) -> int:

@@ -2,7 +2,7 @@
 
 Loading builds the model on the meta device and reads each tensor straight onto the target device and
 dtype, so a bf16 GPU model never exists as an fp32 host copy. Saving writes a directory transformers
-loads as-is, atomically: into a temporary sibling renamed into place only when complete.
+loads as-is, never half-written: into a temporary sibling renamed into place only when complete (replace_dir).
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
 
 def save_model(model: Qwen2ForCausalLM, out_dir: str | Path, *, tokenizer_dir: str | Path | None = None,
                dtype: torch.dtype | None = None, weights: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write an HF model directory atomically: model.safetensors, config.json, generation_config.json and
-    the tokenizer files of `tokenizer_dir`. weights: the state dict to write (default: the model's own)."""
+    """Write an HF model directory, whole or not at all (replace_dir): model.safetensors, config.json,
+    generation_config.json and the tokenizer files of `tokenizer_dir`. weights: the state dict to write (default:
+    the model's own)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"cannot save a model to {out_dir}: it exists and is not a directory")
@@ -155,7 +156,8 @@ def fsync_tree(path: Path, recursive: bool = True) -> None:
 
 def replace_dir(new: Path, target: Path) -> None:
     """Move `new`, flushed to the disk, into place at `target`; an old `target` is removed only after the new one
-    is in place."""
+    is in place. A directory cannot be swapped in one rename: a crash between the two leaves no `target`, the old
+    copy whole at `.NAME.old-PID` beside it, and `new` whole at its own name."""
     fsync_tree(new)
     if target.exists():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")

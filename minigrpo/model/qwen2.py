@@ -4,7 +4,7 @@ The model the trainer differentiates, and the yardstick the rollout engine is ch
 SDPA attention with an explicit mask, no KV cache. Parameter names are Hugging Face's, so a state dict
 moves between this model, safetensors files and transformers with no rename table. Numerics follow HF op for op.
 
-Shape legend: B batch, T sequence length, C hidden, H query heads, K kv heads, D head dim, F MLP width, V vocabulary.
+Shape legend: B batch, T sequence length, C hidden, Hq query heads, Hkv kv heads, D head dim, F MLP width, V vocabulary.
 """
 
 from __future__ import annotations
@@ -56,21 +56,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        C, H, K, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = H, K, D
-        self.q_proj = nn.Linear(C, H * D, bias=True)
-        self.k_proj = nn.Linear(C, K * D, bias=True)
-        self.v_proj = nn.Linear(C, K * D, bias=True)
-        self.o_proj = nn.Linear(H * D, C, bias=False)
+        C, Hq, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = Hq, Hkv, D
+        self.q_proj = nn.Linear(C, Hq * D, bias=True)
+        self.k_proj = nn.Linear(C, Hkv * D, bias=True)
+        self.v_proj = nn.Linear(C, Hkv * D, bias=True)
+        self.o_proj = nn.Linear(Hq * D, C, bias=False)
 
     def forward(self, x, cos, sin, mask):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, Hq, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         cos, sin = cos[:, None], sin[:, None]                                           # (B, 1, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # (B, H, T, D); with no mask (no padding) the fused causal kernels apply
+        # (B, Hq, T, D); with no mask (no padding) the fused causal kernels apply
         with sdpa_kernel(NOT_CUDNN):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))

@@ -74,7 +74,8 @@ class Tokenizer:
             return None if token is None else bpe.token_to_id(token)
 
         eos_id = id_of(config.get("eos_token"))
-        # Without a generation config: the declared eos plus the turn and document terminators Qwen emits.
+        # Without an eos_token_id in generation_config.json: the declared eos plus the turn and document terminators
+        # Qwen emits.
         stop = gen.get("eos_token_id")
         stop = [eos_id, id_of(IM_END), id_of(ENDOFTEXT)] if stop is None else stop
         stop = [stop] if not isinstance(stop, list) else stop

@@ -36,7 +36,6 @@ class TrainConfig:
     eps_high: float | None = None     # None = eps (symmetric); DAPO's clip-higher uses e.g. 0.28
     kl_beta: float = 0.0              # Dr. GRPO drops the KL term: 0
     temperature: float = 1.0
-    top_p: float = 1.0                # only 1: see __post_init__
     tis: bool = True                  # truncated importance sampling against the rollout engine (grpo.py)
     tis_cap: float = 2.0              # its cap C: weight = min(pi_old / pi_rollout, C)
     steps: int = 200
@@ -103,36 +102,31 @@ class TrainConfig:
                              f"{self.lr_schedule!r}: add lr_schedule cosine, or drop min_lr_ratio")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
-        if not 0 <= self.seed < 2 ** 32:  # what numpy's global seed takes
-            raise ValueError(f"seed must be in [0, 2^32), got {self.seed}")
+        if not 0 <= self.seed < 2 ** 63:  # an int64, as torch.Generator.manual_seed takes it
+            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         rows = self.rows_per_step
         if self.minibatch_size and rows % self.minibatch_size:
             raise ValueError(f"minibatch_size {self.minibatch_size} must divide the B*G = {rows} rows of a step")
-        if self.eval_samples > rows:
-            raise ValueError(f"eval_samples {self.eval_samples} must be <= the B*G = {rows} rows of a step (the "
-                             f"rollout engine's batch)")
         if self.samples_per_prompt < 2:
             raise ValueError("samples_per_prompt must be >= 2: a group of one always has zero advantage")
         if not 0.0 < self.temperature:
             raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature}")
-        if self.top_p != 1.0:
-            raise ValueError(f"top_p={self.top_p}: the engine would sample from the nucleus alone while the trainer "
-                             f"scores the full distribution, an off-policy bias that no importance weight can "
-                             f"correct (tokens outside the nucleus are never drawn); use top_p=1")
         if not self.tis_cap >= 1.0:
             raise ValueError(f"tis_cap must be >= 1 (a weight of 1 is on-policy), got {self.tis_cap}")
         if not 0.0 < self.eps < 1.0 or (self.eps_high is not None and self.eps_high <= 0):
             raise ValueError(f"need 0 < eps < 1 and eps_high > 0, got eps={self.eps}, eps_high={self.eps_high}")
         if not 0 < self.lr < 1:  # AdamW moves every weight by up to ~lr per step: 1 erases a model at once
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")
-        if self.weights == "bf16" and 0 < self.lr * self.weight_decay < MIN_BF16_DECAY:
-            raise ValueError(f"weight_decay {self.weight_decay} at lr {self.lr} shrinks bf16 parameters by "
-                             f"{self.lr * self.weight_decay:.1e} per step, below the {MIN_BF16_DECAY:.0e} that their "
+        lr = self.lr * (self.min_lr_ratio or 1)  # the schedule's floor (a cosine to 0 ends every update anyway)
+        at = f"lr {self.lr}" + (f" x min_lr_ratio {self.min_lr_ratio}" if self.min_lr_ratio else "")
+        if self.weights == "bf16" and 0 < lr * self.weight_decay < MIN_BF16_DECAY:
+            raise ValueError(f"weight_decay {self.weight_decay} at {at} shrinks bf16 parameters by "
+                             f"{lr * self.weight_decay:.1e} per step, below the {MIN_BF16_DECAY:.0e} that their "
                              f"fp32 update and 16-bit stochastic rounding carry (it would be lost, wholly or in part): "
-                             f"use weights fp32, or weight_decay 0 or >= {MIN_BF16_DECAY / self.lr:g}")
+                             f"use weights fp32, or weight_decay 0 or >= {MIN_BF16_DECAY / lr:g}")
         if self.recompute_layers is not None and (self.recompute_layers < 0 or not self.activation_checkpointing):
             raise ValueError(f"recompute_layers {self.recompute_layers} needs activation_checkpointing, and must be "
                              f">= 0 (it counts the decoder layers that recompute)")

@@ -94,7 +94,7 @@ def init_from_env(device: str) -> tuple[Dist, str]:
 
 def shutdown(dist: Dist, together: bool = False) -> None:
     """Leave the process group. together=True (all ranks finished cleanly) first waits for every rank, so none
-    tears down under a finishing peer (a gloo rank once aborted at exit); after an error a barrier could hang."""
+    tears down under a finishing peer (a gloo rank can abort then); after an error a barrier could hang."""
     if dist.world > 1 and tdist.is_initialized():
         if together:
             tdist.barrier()

@@ -31,7 +31,7 @@ Under FSDP (W > 1) weights, optimizer and reference divide by W, the gradients a
 with bf16 weights and several micro-batches, their whole fp32 sum), fsdp_gathered holds the root unit and
 two layers gathered whole, and there are no DDP buckets.
 
-Shape legend: P parameters, V vocabulary, C hidden size, F MLP width, H query heads, K kv heads, D head dim,
+Shape legend: P parameters, V vocabulary, C hidden size, F MLP width, Hq query heads, Hkv kv heads, D head dim,
 L layers, W ranks, T training columns (prompt + completion), a / r bytes per activation / residual element.
 """
 
@@ -45,7 +45,7 @@ from minigrpo.rl.config import TrainConfig
 from minigrpo.rl.optim import CHUNK
 
 # An eager layer also keeps the elementwise intermediates (fp32 norms, autocast's casts, RoPE's halves, SwiGLU's
-# activation): 1.5x to 1.65x the compiled layer, counted op by op (bench/NOTES.md, session 4, measured 1.55x).
+# activation): 1.5x to 1.65x the compiled layer, counted op by op (measured 1.55x: bench/NOTES.md).
 # The estimate is an upper bound, so it takes the top of that range with a margin.
 EAGER_FACTOR = 1.75
 # Per (token, vocabulary) element of an LM-head block at its peak: chunked, fp32 logits and one fp32 temporary;
@@ -91,7 +91,7 @@ def _engine(m: ModelConfig, engine: EngineConfig, P: int, prompts: int, prompt_t
     the engine's weights are the policy's (same dtype: engine/decode.py)."""
     C, D = m.hidden_size, m.head_dim
     copy = P * e * (not shared) + 2 * engine.max_seq_len * D * 4  # shared: the policy's own weights; cos / sin
-    page = 2 * m.num_hidden_layers * engine.page_size * m.num_key_value_heads * D * e  # K and V, all layers
+    page = engine.page_bytes(m, e)
     pages = engine.kv_page_count(None if free is None else free - copy, page)  # free once the copy is made
     workspace = (engine.max_batch * m.vocab_size * (e + CHUNK_LOGIT_BYTES)                # the decode step
                  + prompts * prompt_tokens * (4 * C + 3 * m.intermediate_size) * e)    # a prefill

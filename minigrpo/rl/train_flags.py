@@ -24,13 +24,13 @@ from minigrpo.tasks.task import add_task_flags
 # --preset sets these defaults; any flag given on the command line still wins.
 PRESETS = {
     "gsm8k": {"out": "runs/gsm8k"},
-    # Tuned so a 2-layer random model goes from reward ~0.05 to >= 0.8 in ~100 steps (5-15 s on 2 cores).
+    # Tuned so a 2-layer random model goes from reward ~0.05 to >= 0.8 in ~100 steps, in seconds on a CPU.
     "smoke": {"out": "runs/smoke", "device": "cpu", "attn": "reference", "prompts_per_step": 16,
               "samples_per_prompt": 8, "max_new_tokens": 3, "micro_batch_size": 128, "lr": 1e-3, "steps": 150,
               "eval_every": 50, "eval_limit": 256, "eval_batch_size": 256, "save_every": 50,
               "sample_every": 25},
     # The learning check's task (bench/learn.py): copy 3 digits, then stop. The same model goes from reward
-    # ~0.1 to >= 0.8 in ~95-125 steps (seeds 0, 1; 1-2 minutes on a CPU core). --attn follows --device.
+    # ~0.1 to >= 0.8 in ~95-125 steps (seeds 0, 1). --attn follows --device.
     "learn": {"out": "runs/learn", "device": "cpu", "prompts_per_step": 32, "samples_per_prompt": 8,
               "max_new_tokens": 4, "micro_batch_size": 256, "lr": 1e-3, "steps": 200, "eval_every": 0,
               "save_every": 0, "sample_every": 25},
@@ -111,8 +111,6 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="k3 KL penalty weight to the initial policy (Dr. GRPO: 0, no reference model kept)")
     g.add_argument("--temperature", type=float, default=D.temperature, help="sampling temperature (also used "
                    "for the training log-probs)")
-    g.add_argument("--top-p", type=float, default=D.top_p, help="nucleus sampling threshold; only 1 (off) trains "
-                   "without bias: the trainer scores the full distribution")
     g.add_argument("--tis-cap", type=float, default=D.tis_cap,
                    help="truncated importance sampling: weight each token's loss by min(pi_old / pi_rollout, CAP), "
                         "correcting for the rollout engine's own (bf16) distribution")

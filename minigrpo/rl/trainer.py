@@ -92,9 +92,12 @@ class Trainer:
         self.out_dir, self.tensorboard, self.echo = Path(out_dir), tensorboard, echo
         self.device = next(model.parameters()).device
         self.amp_dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.weights == "fp32" else None
-        self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
+        # Plain temperature sampling, never top-k or top-p: the trainer scores the full distribution, and tokens
+        # outside a nucleus are never drawn, a bias no importance weight can correct.
+        self.params = SamplingParams(temperature=cfg.temperature)
         self.recompute_layers = cfg.recomputed_layers(model.config.num_hidden_layers)  # in the training forward
-        # The KL anchor is the policy as it is now, before any update (also when resuming: see resume()).
+        # The KL anchor is the policy as it is now, before any update: train.py builds the Trainer before resuming,
+        # and resume() checks the anchor's fingerprint against the checkpoint's.
         self.ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.kl_beta > 0 else None
         if cfg.compile_policy:
             # Fuses each layer's ~50 small elementwise kernels. Parameters are graph inputs, so one compile
@@ -156,7 +159,7 @@ class Trainer:
             ref_logp, old_logp, entropy = self._reference_and_old_logprobs(rows)               # 4. log-probs
             timer.lap("logprobs")
             with self._update_memory(m):
-                update, old_logp, entropy = self._update(rows, old_logp, entropy, ref_logp, train_all)  # 5. update
+                update, old_logp, entropy = self._update(rows, ref_logp, old_logp, entropy, train_all)  # 5. update
             m.update(update)
             timer.lap("update")
             m.update(mismatch_metrics(old_logp, rows.rollout_logp, entropy, rows.mask, self.cfg.tis_cap, self.dist))
@@ -220,8 +223,8 @@ class Trainer:
             return ref_logp, None, None
         return (ref_logp, *self._score(self.policy, rows.batch, rows.most, return_entropy=True))
 
-    def _update(self, rows: _Rows, old_logp, entropy, ref_logp, train_all: torch.Tensor):
-        """Stage 5: K epochs of minibatch AdamW steps. old/ref_logp, entropy (n, C); train_all (N,): the rows that
+    def _update(self, rows: _Rows, ref_logp, old_logp, entropy, train_all: torch.Tensor):
+        """Stage 5: K epochs of minibatch AdamW steps. ref/old_logp, entropy (n, C); train_all (N,): the rows that
         train, on any rank. Returns (metrics, old_logp, entropy). With old_logp None the first epoch's forward,
         before any optimizer step, is the old policy's: it fills old_logp (and entropy), its ratios exactly 1."""
         fill = old_logp is None
@@ -232,20 +235,25 @@ class Trainer:
             for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch, count, rows.batch)):
                 mb, idx = self._select(rows.batch, micro)                                      # (m, T'), (m,)
                 with self.policy.accumulate(u == 0, last):  # the last backward reduces (DDP / FSDP)
-                    if fill and epoch == 0 and weight:
-                        logp, ent = self.policy(mb, True)                                      # (m, C') each
-                        n, real = len(micro), idx[:len(micro)]
-                        old_logp[real, :mb.C], entropy[real, :mb.C] = logp[:n].detach(), ent[:n]
-                    else:
-                        logp = self.policy(mb)                                                 # (m, C')
-                        if not sums.norms and weight:  # no optimizer step yet: the old policy, scored twice
-                            sums.add_old_gap(logp, old_logp[idx, :mb.C], mb.mask)
+                    logp = self._forward(mb, idx, len(micro), old_logp, entropy, fill and epoch == 0 and weight > 0)
+                    if weight and not fill and not sums.norms:  # no optimizer step yet: the old policy, scored twice
+                        sums.add_old_gap(logp, old_logp[idx, :mb.C], mb.mask)
                     loss, stats = self._loss(logp, mb.mask, idx, rows, old_logp, ref_logp)
                     (loss * weight).backward()
                 if weight:
                     sums.add(loss, stats, mb.mask.sum())
             sums.norms.append(self._optimizer_step(k))
         return sums.metrics(self.dist, with_kl=ref_logp is not None, with_old_gap=not fill), old_logp, entropy
+
+    def _forward(self, mb: SequenceBatch, idx, n: int, old_logp, entropy, fill: bool) -> torch.Tensor:
+        """The policy's log-probs of micro-batch `mb` (m, C'), rows idx, the first n of them real. fill: this forward
+        is the old policy's (first epoch, no optimizer step yet), so it also writes those rows' old_logp and
+        entropy."""
+        if not fill:
+            return self.policy(mb)
+        logp, ent = self.policy(mb, True)                                                      # (m, C') each
+        old_logp[idx[:n], :mb.C], entropy[idx[:n], :mb.C] = logp[:n].detach(), ent[:n]
+        return logp
 
     def _loss(self, logp, mask, idx, rows: _Rows, old_logp, ref_logp):
         """dr_grpo_loss of the micro-batch of rows `idx`, normalised by the whole minibatch, each token weighted by
@@ -373,14 +381,10 @@ class Trainer:
             diffs = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
             raise ValueError(f"cannot resume exactly: settings differ from the checkpoint's ({diffs}); "
                              f"rerun with the original values")
-        saved_inputs = state.get("inputs", {})  # none in a checkpoint from before they were recorded
-        other = [INPUTS[k] for k, v in self.inputs.items() if saved_inputs.get(k, v) != v]
+        other = [INPUTS[k] for k, v in self.inputs.items() if state["inputs"].get(k) != v]
         if other:
             raise ValueError(f"cannot resume exactly: {' and '.join(other)} differ from the checkpoint's; resume "
                              f"with the run's own")
-        if any(not isinstance(k, str) for k in state["optimizer"]["state"]):
-            raise ValueError(f"{ckpt}: its optimizer state is numbered, not named by parameter (an older checkpoint "
-                             f"format); start a new run from its weights: --model-dir {ckpt / 'model'}")
         dcp.set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
                                      options=dcp.StateDictOptions(full_state_dict=True))
         self.sampler.load_state_dict(state["sampler"])

@@ -36,7 +36,7 @@ STATE_FILE = "trainer_state.pt"
 _SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "tie_word_embeddings")
 LATEST = "latest"
-_DICTS = ("config", "optimizer", "sampler")  # trainer_state.pt's entries besides the step
+_DICTS = ("config", "optimizer", "sampler", "inputs")  # trainer_state.pt's entries besides the step
 
 
 def save_checkpoint(ckpt_root: str | Path, step: int, model, state: dict, *, weights: dict | None = None,
@@ -161,7 +161,7 @@ def load_checkpoint(path: str | Path, model) -> dict:
         model.load_state_dict(saved)
     try:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
-        missing = sorted({"config", "optimizer", "sampler", "step"} - state.keys())
+        missing = sorted({*_DICTS, "step"} - state.keys())
         if missing:
             raise KeyError(f"it lacks {', '.join(missing)}")
         if not isinstance(state["step"], int) or not all(isinstance(state[k], dict) for k in _DICTS):

@@ -39,7 +39,7 @@ from minigrpo.model.checkpoint import fsync_tree
 # (key, label, format, meaning) of what the stdout line shows, in order; keys missing from a record are skipped.
 _LINE = [
     ("reward_mean", "reward", "{:.3f}", None), ("accuracy", "acc", "{:.3f}", "share exactly correct"),
-    ("zero_spread_frac", "flat", "{:.2f}", "share of rows in groups with equal rewards (no gradient)"),
+    ("zero_spread_frac", "flat", "{:.2f}", "share of rows in groups with equal rewards (no policy gradient)"),
     ("completion_len_mean", "len", "{:.0f}", "mean completion length"),
     ("truncated_frac", "trunc", "{:.2f}", "share cut off at --max-new-tokens"), ("loss", "loss", "{:+.4f}", None),
     ("kl", "kl", "{:.4f}", "k3 KL to the initial policy"),

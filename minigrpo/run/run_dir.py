@@ -90,11 +90,11 @@ def _busy(out: Path) -> str:
     return f"another process is running in --out {out}; wait for it to end, or choose another --out"
 
 
-def _try_lock(fd: int) -> bool:
-    """Take the exclusive lock of the open folder `fd` without waiting: False when another process holds it.
-    OSError where the filesystem takes no locks."""
+def _try_lock(fd: int, mode: int = fcntl.LOCK_EX) -> bool:
+    """Take the lock of the open folder `fd` (exclusive, or fcntl.LOCK_SH) without waiting: False when another
+    process holds it exclusively (or, for an exclusive one, at all). OSError where the filesystem takes no locks."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
         return False
@@ -104,7 +104,8 @@ def _locked(out: Path) -> bool:
     """Whether another process holds `out`'s lock (locked_out) now."""
     fd = os.open(out, os.O_RDONLY)
     try:
-        return not _try_lock(fd)  # closing fd releases a lock taken here
+        # Shared: torchrun's ranks probe together and must not see each other. Closing fd releases it.
+        return not _try_lock(fd, fcntl.LOCK_SH)
     except OSError:  # a filesystem without locks: locked_out warns
         return False
     finally:

@@ -38,7 +38,8 @@ R1_PROMPT = (
 def stop_sequences(tokenizer, string: str, most: int = 12, longest: int = 4) -> tuple[tuple[int, ...], ...]:
     """How `string` tokenises after a space, a word, a period or a brace, and before the end or newlines: in
     each, the tokens from the one holding its first character to the one completing it (their text holds
-    the string). The first `most` distinct ones of at most `longest` tokens (the engine's STOP_LEN)."""
+    the string). The first `most` distinct ones of at most `longest` tokens (the engine's STOP_LEN); with the
+    tokenizer's stop ids, within the engine's MAX_STOPS (tests/test_templates.py)."""
     found = []
     for before in ("x ", "x", "x.", "x}"):
         for after in ("", "\n", "\n\n"):

@@ -372,7 +372,7 @@ def test_resume_reads_the_checkpoint_through_host_memory(tmp_path):
     from minigrpo.run.checkpoints import load_checkpoint, save_checkpoint
 
     model = random_model(tiny_config(head_dim=64, vocab=8192, layers=4), seed=0)  # 29 MB embedding, 60 MB in all
-    save_checkpoint(tmp_path, 1, model, {"config": {}, "optimizer": {}, "sampler": {}})
+    save_checkpoint(tmp_path, 1, model, {"config": {}, "optimizer": {}, "sampler": {}, "inputs": {}})
     want = {k: v.clone() for k, v in model.state_dict().items()}
     model = model.cuda()
     for p in model.parameters():

@@ -422,9 +422,9 @@ def test_a_foreign_trainer_state_is_named_in_one_line(tmp_path):
         load_checkpoint(tmp_path, model)
     assert "\n" not in str(e.value) and "weights_only" not in str(e.value) and "cannot be read" in str(e.value)
     torch.save({"config": {}, "step": 1}, state)
-    with pytest.raises(ValueError, match=r"cannot be read \(KeyError: 'it lacks optimizer, sampler'\)"):
+    with pytest.raises(ValueError, match=r"cannot be read \(KeyError: 'it lacks inputs, optimizer, sampler'\)"):
         load_checkpoint(tmp_path, model)
-    torch.save({"config": {}, "optimizer": {}, "sampler": {}, "step": "1"}, state)  # edited by hand
+    torch.save({"config": {}, "optimizer": {}, "sampler": {}, "inputs": {}, "step": "1"}, state)  # edited by hand
     with pytest.raises(ValueError, match=r"cannot be read \(TypeError: its step must be an integer and its config, "):
         load_checkpoint(tmp_path, model)
 

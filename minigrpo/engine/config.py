@@ -62,5 +62,5 @@ class EngineConfig:
         return max(2, min(pages, int(free_bytes * self.kv_memory_fraction) // page_bytes))
 
     def bucket_sizes(self) -> tuple[int, ...]:
-        smaller = tuple(1 << i for i in range(3, self.max_batch.bit_length()) if 1 << i < self.max_batch)
+        smaller = tuple(1 << i for i in range(3, (self.max_batch - 1).bit_length()))  # 8, 16, ... below max_batch
         return self.buckets or smaller + (self.max_batch,)

@@ -121,8 +121,8 @@ class TrainConfig:
         if not 0 < self.lr < 1:  # AdamW moves every weight by up to ~lr per step: 1 erases a model at once
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")
         lr = self.lr * (self.min_lr_ratio or 1)  # the schedule's floor (a cosine to 0 ends every update anyway)
-        at = f"lr {self.lr}" + (f" x min_lr_ratio {self.min_lr_ratio}" if self.min_lr_ratio else "")
         if self.weights == "bf16" and 0 < lr * self.weight_decay < MIN_BF16_DECAY:
+            at = f"lr {self.lr}" + (f" x min_lr_ratio {self.min_lr_ratio}" if self.min_lr_ratio else "")
             raise ValueError(f"weight_decay {self.weight_decay} at {at} shrinks bf16 parameters by "
                              f"{lr * self.weight_decay:.1e} per step, below the {MIN_BF16_DECAY:.0e} that their "
                              f"fp32 update and 16-bit stochastic rounding carry (it would be lost, wholly or in part): "

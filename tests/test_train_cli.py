@@ -66,6 +66,8 @@ def test_help_documents_every_flag_and_each_default_once():
     (["--seed", "-1"], "--seed must be in [0, 2^63), got -1"),
     (["--min-lr-ratio=-0.1"], "--min-lr-ratio must be in [0, 1], got -0.1"),
     (["--no-tis", "--tis-cap", "5"], "--tis-cap 5.0 caps the TIS weights that --no-tis turns off; drop one of them"),
+    (["--test-data", "test.jsonl", "--eval-every", "0"], "--test-data test.jsonl is read only for evaluation, which "
+     "--eval-every 0 turns off; drop one of them"),
     (["--min-lr-ratio", "0.5"], "--min-lr-ratio 0.5 is the cosine schedule's floor, and --lr-schedule is 'constant': "
      "add --lr-schedule cosine, or drop --min-lr-ratio"),
     (["--betas", "1", "0.9"], "--betas must be two numbers in [0, 1), got (1.0, 0.9)"),

@@ -22,7 +22,7 @@ class EngineConfig:
     page_size: int = 16
     max_batch: int = 256            # largest bucket: sequences decoded at once
     max_seq_len: int = 1024         # prompt + completion, per sequence; sets the block-table width
-    kv_pages: int | None = None     # KV budget in pages; default: kv_memory_fraction of free GPU memory
+    kv_pages: int | None = None     # KV budget in pages; default: kv_page_count's
     kv_memory_fraction: float = 0.3
     buckets: tuple[int, ...] = field(default=())  # default: powers of two from 8 up to max_batch
 

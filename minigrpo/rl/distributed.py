@@ -138,7 +138,7 @@ class GradSync:
     For each micro-batch, run `policy(batch)` and the backward of its loss (times `loss_scale`) inside
     `policy.accumulate(first, last)`: only the last backward all-reduces (DDP's no_sync for the others). FSDP
     reduce-scatters each micro-batch's fp32 gradient into the shards, except for bf16 weights, whose shards
-    would sum in bf16: there it keeps the fp32 sum whole until the last one. With W = 1: plain backwards.
+    would sum in bf16: there it keeps the fp32 sum whole until the last one. With W = 1 nothing is reduced.
 
     bf16 weights sum three or more micro-batch gradients in fp32: in bf16 each addition would round to 8
     significant bits of the running sum, losing a micro-batch small against it. From the second micro-batch

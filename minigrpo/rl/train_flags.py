@@ -1,7 +1,8 @@
 """train.py's command line: its flags, the presets that set their defaults, and the TrainConfig they build.
 
-Every TrainConfig field has the flag of its name (--micro-batch-size sets micro_batch_size), so an error
-TrainConfig raises names the flag (flag_names), and the memory check's advice is a command line (as_flags).
+A TrainConfig field has the flag of its name (--micro-batch-size sets micro_batch_size; the exceptions: kl_beta
+is --beta, tis is --no-tis, task joins --task, --template and --reward), so an error TrainConfig raises names the
+flag (flag_names), and the memory check's advice is a command line (as_flags).
 """
 
 from __future__ import annotations
@@ -48,8 +49,18 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
+    """train.py's parser: one function below per group of --help."""
     p = OneLineParser(description=description, formatter_class=_HelpFormatter)
-    g = p.add_argument_group("run")
+    _run_flags(p.add_argument_group("run"))
+    add_task_flags(p.add_argument_group("task (not with --preset smoke / learn)"))
+    _engine_flags(p.add_argument_group("rollout engine"))
+    _grpo_flags(p.add_argument_group("Dr. GRPO"))
+    _optimisation_flags(p.add_argument_group("optimisation"))
+    _logging_flags(p.add_argument_group("evaluation, logging, checkpoints"))
+    return p
+
+
+def _run_flags(g) -> None:
     g.add_argument("--preset", choices=sorted(PRESETS), default="gsm8k",
                    help="gsm8k: a Qwen2.5 model on --task (GSM8K by default); smoke: CPU, tiny random model, "
                         "built-in synthetic task (CI); "
@@ -74,8 +85,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="under torchrun, the update: ddp replicates the weights, gradients and AdamW state on "
                         "every rank; fsdp shards them (FSDP2), for models whose state does not fit one GPU")
     g.add_argument("--tensorboard", action="store_true", help="also log to OUT/tensorboard (needs tensorboard)")
-    add_task_flags(p.add_argument_group("task (not with --preset smoke / learn)"))
-    g = p.add_argument_group("rollout engine")
+
+
+def _engine_flags(g) -> None:
     g.add_argument("--attn", choices=ATTN_BACKENDS, default=None,
                    help="reference: the plain generator (no KV cache); eager/sdpa/triton: the fast engine with "
                         "that decode attention (default: triton on CUDA, reference on CPU)")
@@ -87,7 +99,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "(plain temperature sampling; same draws; default: triton on CUDA, torch on CPU)")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the engine's decode step in CUDA graphs (default: on with CUDA)")
-    g = p.add_argument_group("Dr. GRPO")
+
+
+def _grpo_flags(g) -> None:
     g.add_argument("-B", "--prompts-per-step", type=int, default=D.prompts_per_step, help="prompts per step (B)")
     g.add_argument("-G", "--samples-per-prompt", type=int, default=D.samples_per_prompt,
                    help="completions per prompt, the group size (G)")
@@ -116,7 +130,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "correcting for the rollout engine's own (bf16) distribution")
     g.add_argument("--no-tis", dest="tis", action="store_false",
                    help="no importance-sampling correction (the mismatch is still logged; default: corrected)")
-    g = p.add_argument_group("optimisation")
+
+
+def _optimisation_flags(g) -> None:
     g.add_argument("--lr", type=float, default=D.lr, help="AdamW peak learning rate")
     g.add_argument("--betas", type=float, nargs=2, default=D.betas, metavar=("B1", "B2"), help="AdamW betas")
     g.add_argument("--weight-decay", type=float, default=D.weight_decay, help="AdamW decoupled weight decay")
@@ -147,7 +163,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--offload-reference", action=argparse.BooleanOptionalAction, default=D.offload_reference,
                    help="keep the KL reference (--beta > 0) in pinned host memory, copied in during each rollout and "
                         "freed before the update: the update's peak lacks a copy of the model (PCIe time, hidden)")
-    g = p.add_argument_group("evaluation, logging, checkpoints")
+
+
+def _logging_flags(g) -> None:
     g.add_argument("--eval-every", type=int, default=D.eval_every,
                    help="test accuracy before training and every N steps (0 = never); every example's "
                         "completions and verdicts go to OUT/eval.jsonl")
@@ -165,7 +183,6 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--sample-every", type=int, default=D.sample_every,
                    help="write decoded sample completions to samples.jsonl every N steps (0 = never)")
     g.add_argument("--num-samples", type=int, default=D.num_samples, help="completions written each time")
-    return p
 
 
 def layer_count(text: str) -> int | str:
@@ -206,6 +223,9 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
         parser.error(flag_names(str(e), parser))
     if not args.tis and args.tis_cap != D.tis_cap:
         parser.error(f"--tis-cap {args.tis_cap} caps the TIS weights that --no-tis turns off; drop one of them")
+    if args.test_data and not args.eval_every:
+        parser.error(f"--test-data {args.test_data} is read only for evaluation, which --eval-every 0 turns off; "
+                     f"drop one of them")
     if args.recompute_layers == "auto" and not args.activation_checkpointing:
         parser.error("--recompute-layers auto needs --activation-checkpointing (without it no layer recomputes)")
     if args.parallel == "fsdp" and args.attn == "reference":

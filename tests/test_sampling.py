@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minigrpo.model.sampling import GREEDY, SAMPLE_CHUNK, SamplingParams, filter_logits, sample, uniform_noise
 
@@ -89,3 +90,19 @@ def test_greedy():
 def test_bad_sampling_params_are_refused(kwargs):
     with pytest.raises(ValueError, match="sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 0"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("V", [37, SAMPLE_CHUNK - 1, SAMPLE_CHUNK])
+def test_impossible_tokens_padding_the_vocabulary_change_no_draw(V):
+    """A vocabulary under one chunk is drawn from a chunk of its own size; padded past one chunk with -inf
+    logits, it must draw the same tokens, as the fused kernel (which masks a whole block) does."""
+    g = torch.Generator().manual_seed(1)
+    logits = 3 * torch.randn(64, V, generator=g)
+    seeds, ctr = torch.arange(64), torch.arange(64) % 5
+    params = SamplingParams(temperature=0.7)
+    padded = F.pad(logits, (0, SAMPLE_CHUNK + 100 - V), value=float("-inf"))   # two chunks, the second empty
+    tokens, logp = sample(logits, params, seeds, ctr)
+    want_tokens, want_logp = sample(padded, params, seeds, ctr)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-5)  # the same logsumexp, summed in another order
+    assert len(set(tokens.tolist())) > 10  # a real spread of draws, not one token

@@ -14,7 +14,7 @@ pass over every logit a plain max / sum-of-exp reduction, bound by memory; the h
 chunk per row. The chunk level resolves masses down to about 2^-23 of the total. The chunk size is a
 constant, so that a draw stays a function of the seeds alone.
 
-Shape legend: B sequences, V vocabulary, NC = ceil(V / SAMPLE_CHUNK) chunks, C = SAMPLE_CHUNK.
+Shape legend: B sequences, V vocabulary, C = min(SAMPLE_CHUNK, V) indices per chunk, NC = ceil(V / C) chunks.
 """
 
 from __future__ import annotations
@@ -92,8 +92,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor, co
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
     x = filter_logits(logits, params)                                                 # (B, V)
     B, V = x.shape
-    NC = -(-V // SAMPLE_CHUNK)
-    chunks = F.pad(x, (0, NC * SAMPLE_CHUNK - V), value=float("-inf")).view(B, NC, SAMPLE_CHUNK)  # (B, NC, C)
+    # A vocabulary smaller than a chunk is one chunk of its own size: the noise a padded chunk would add at
+    # indices >= V could not win against their -inf logits, so the draw is the same, without hashing them.
+    C = min(SAMPLE_CHUNK, V)
+    NC = -(-V // C)
+    chunks = F.pad(x, (0, NC * C - V), value=float("-inf")).view(B, NC, C)           # (B, NC, C)
     # Level 1: the chunk, by inverse CDF over the chunks' masses (a chunk of only -inf has mass 0).
     cum = chunks.logsumexp(-1).softmax(-1).cumsum(-1)                                 # (B, NC)
     u = uniform_noise(seeds, counters, torch.full((1,), M31, device=x.device))        # (B, 1)
@@ -101,8 +104,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor, co
     # so there always is one, and it has mass; the clamp only keeps a row of NaN logits in range.
     c = torch.searchsorted(cum, u * cum[:, -1:], right=True).clamp(max=NC - 1).squeeze(1)   # (B,)
     # Level 2: Gumbel-max within the chosen chunk, with the noise at each entry's vocabulary index.
-    idx = c[:, None] * SAMPLE_CHUNK + torch.arange(SAMPLE_CHUNK, device=x.device)     # (B, C)
+    idx = c[:, None] * C + torch.arange(C, device=x.device)                           # (B, C)
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, idx)))              # (B, C)
     scores = chunks[torch.arange(B, device=x.device), c] + gumbel                     # (B, C)
-    tokens = c * SAMPLE_CHUNK + scores.argmax(-1)                                     # (B,)
+    tokens = c * C + scores.argmax(-1)                                                # (B,)
     return tokens, x.gather(-1, tokens[:, None]).squeeze(-1) - x.logsumexp(-1)

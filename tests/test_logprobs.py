@@ -79,7 +79,8 @@ def test_entropy_matches_naive_and_has_no_grad():
     assert entropy.dtype == torch.float32 and entropy.shape == (N, T)
 
 
-def test_frozen_weight_gets_no_grad():
+def test_with_the_weight_frozen_the_hidden_gradient_is_still_exact():
+    # The backward computes both gradients; autograd drops the weight's (weight.grad stays None).
     hidden, weight, targets = _inputs(seed=6)
     hidden.requires_grad_(True)
     token_logprobs(hidden, weight, targets, chunk_size=4).sum().backward()

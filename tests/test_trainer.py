@@ -3,6 +3,7 @@
 import copy
 import json
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -43,7 +44,8 @@ class FakeTokenizer:
 
 
 class FakeTask:
-    """Prompts given as token lists; reward 1 iff the completion starts with token 10."""
+    """Prompts given as token lists; reward 1 iff the completion starts with token 10, plus half the prompt's
+    index: a reward scored against another group's prompt changes the advantages."""
     stops = Stops((STOP,))
 
     def __init__(self, prompts):
@@ -56,7 +58,8 @@ class FakeTask:
         return self.prompts[i]
 
     def score(self, i, completion):
-        return (1.0, True) if completion[:1] == [10] else (0.0, False)
+        right = completion[:1] == [10]
+        return float(right) + i / 2, right
 
     def describe(self, i):
         return {"question": str(self.prompts[i])}
@@ -245,9 +248,15 @@ def test_micro_batches_group_rows_of_about_one_length(tmp_path):
     assert widths == [8, 6, 4, 3]
 
 
-def _row_logprobs(model, prompt, completion) -> torch.Tensor:
-    """Log-probs of one completion's tokens, the row scored alone from full logits. (c,)"""
-    logp_all = model(torch.tensor([prompt + completion]))[0].log_softmax(-1)        # (T, V)
+def _rescored(trainer) -> torch.Tensor:
+    """The last rollout's rewards, each completion scored here against its own group's prompt. (N,)"""
+    r, G = trainer.last_rollout, trainer.cfg.samples_per_prompt
+    return torch.tensor([trainer.task.score(r["examples"][i // G], c)[0] for i, c in enumerate(r["completions"])])
+
+
+def _row_logprobs(model, prompt, completion, temperature=1.0) -> torch.Tensor:
+    """Log-probs of one completion's tokens at a sampling temperature, the row scored alone from full logits. (c,)"""
+    logp_all = (model(torch.tensor([prompt + completion]))[0] / temperature).log_softmax(-1)  # (T, V)
     # the logits at t score token t+1: completion token k sits at len(prompt) + k
     return torch.stack([logp_all[len(prompt) + k - 1, tok] for k, tok in enumerate(completion)])
 
@@ -258,7 +267,7 @@ def _full_batch_gradient(policy, trainer, prompts, ref=None, beta=0.0, sampled=l
     log-probs), at `policy`'s weights. Returns (gradients by name, the mean k3 KL per token)."""
     G, L = trainer.cfg.samples_per_prompt, trainer.cfg.max_new_tokens
     r = trainer.last_rollout
-    rewards = torch.tensor(r["rewards"]).view(-1, G)
+    rewards = _rescored(trainer).view(-1, G)
     advs = (rewards - rewards.mean(1, keepdim=True)).view(-1)                       # (N,)
     loss, kls = 0.0, []
     for i, completion in enumerate(r["completions"]):
@@ -280,8 +289,10 @@ def test_each_minibatch_step_clips_ratios_and_gradient_as_an_independent_computa
     # Two epochs of two minibatches (4 optimizer steps). Each step's gradient must be that of its own minibatch's
     # clipped surrogate at the weights of that moment, against the old policy (the step's starting weights),
     # normalised by M x L (the minibatch's rows, not all N), each token weighted by min(pi_old / pi_rollout, 2)
-    # with per-token sampling log-probs that the cap truncates, then clipped to max_grad_norm. Recomputed here
-    # row by row from full logits; fp32 throughout, so only rounding separates the two (tolerances as above).
+    # with per-token sampling log-probs that the cap truncates, then clipped to max_grad_norm. The log-probs are
+    # at the sampling temperature, and the ratio's upper clip is eps_high's (clip-higher), not eps's.
+    # Recomputed here row by row from full logits; fp32 throughout, so only rounding separates the two
+    # (tolerances as above).
     model = random_model(tiny_config(tied=False, vocab=32), seed=3, std=0.1).train()
     initial = copy.deepcopy(model)
     script = {4: [[10, STOP], [11, 12, STOP], [10, 13, 14, 15, 16, 17], [12, STOP]],
@@ -291,9 +302,10 @@ def test_each_minibatch_step_clips_ratios_and_gradient_as_an_independent_computa
 
     def sampled(r, t):
         return rollout_logp[(3 * r + t) % 5]
-    max_norm, eps = 1e-3, 0.2
+    max_norm, eps, eps_high, T = 1e-3, 0.05, 0.3, 0.7
     trainer, _ = _trainer(model, script, prompts, tmp_path, rollout_logp=sampled, minibatch_size=4, inner_epochs=2,
-                          micro_batch_size=2, eps=eps, lr=1e-3, max_grad_norm=max_norm)
+                          micro_batch_size=2, eps=eps, eps_high=eps_high, temperature=T, lr=1e-3,
+                          max_grad_norm=max_norm)
     steps, real = [], trainer.optimizer.step
 
     def capture(*args, **kwargs):  # the weights each optimizer step starts from, and the gradient it steps on
@@ -306,9 +318,9 @@ def test_each_minibatch_step_clips_ratios_and_gradient_as_an_independent_computa
 
     G, L, M, N = 4, 6, 4, 8
     r = trainer.last_rollout
-    rewards = torch.tensor(r["rewards"]).view(-1, G)
+    rewards = _rescored(trainer).view(-1, G)
     advs = (rewards - rewards.mean(1, keepdim=True)).view(-1)                       # (N,)
-    norms = []
+    norms, between = [], 0  # between: tokens whose ratio lies where eps_high's clip differs from eps's
     for k, (weights, got) in enumerate(steps):
         epoch, j = divmod(k, N // M)
         order = np.random.default_rng([0, SHUFFLE, 1, epoch]).permutation(N)       # seed 0, step 1
@@ -317,11 +329,13 @@ def test_each_minibatch_step_clips_ratios_and_gradient_as_an_independent_computa
         loss = 0.0
         for i in order[j * M:(j + 1) * M].tolist():
             prompt, completion = prompts[r["examples"][i // G]], r["completions"][i]
-            logp = _row_logprobs(policy, prompt, completion)                        # (c,)
-            old = _row_logprobs(initial, prompt, completion).detach()               # (c,)
+            logp = _row_logprobs(policy, prompt, completion, T)                     # (c,)
+            old = _row_logprobs(initial, prompt, completion, T).detach()            # (c,)
             weight = torch.exp(old - torch.tensor([sampled(i, t) for t in range(len(completion))])).clamp(max=2.0)
             ratio = torch.exp(logp - old)
-            loss = loss - (weight * torch.minimum(ratio * advs[i], ratio.clamp(1 - eps, 1 + eps) * advs[i])).sum()
+            clipped = ratio.clamp(1 - eps, 1 + eps_high)
+            loss = loss - (weight * torch.minimum(ratio * advs[i], clipped * advs[i])).sum()
+            between += int(((ratio > 1 + eps) & (ratio < 1 + eps_high) & (advs[i] > 0)).sum())
         (loss / (M * L)).backward()
         want = {n: p.grad for n, p in policy.named_parameters()}
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in want.values()]))
@@ -330,6 +344,7 @@ def test_each_minibatch_step_clips_ratios_and_gradient_as_an_independent_computa
         for name, g in want.items():
             torch.testing.assert_close(got[name], g * (max_norm / (norm + 1e-6)), atol=1e-9, rtol=1e-4, msg=name)
     assert m["grad_norm"] == pytest.approx(sum(norms) / len(norms), rel=1e-4)  # logged before the clip
+    assert between > 0  # so a trainer that clipped at 1 + eps above would fail the gradients
 
 
 def test_a_nonfinite_gradient_skips_its_optimizer_step_only(tmp_path):
@@ -448,8 +463,11 @@ def test_samples_are_the_first_completion_of_each_of_the_first_prompts(tmp_path)
     run(trainer)
     rows = [json.loads(ln) for ln in (tmp_path / "samples.jsonl").read_text().splitlines()]
     r = trainer.last_rollout
-    assert [(x["question"], x["reward"]) for x in rows] == [
-        (trainer.task.describe(r["examples"][j])["question"], r["rewards"][4 * j]) for j in range(2)]
+    assert r["completions"][4] != r["completions"][1]  # so the second row tells group 1's first from another row
+    assert [(x["question"], x["completion"], x["reward"]) for x in rows] == [
+        (trainer.task.describe(r["examples"][j])["question"],
+         trainer.tokenizer.decode(r["completions"][4 * j], skip_special_tokens=False), r["rewards"][4 * j])
+        for j in range(2)]
 
 
 _TIMING = ("time_", "tokens_per_s")
@@ -604,6 +622,10 @@ def test_lr_schedule_hand_values():
     # warmup: (s+1)/2; then cosine over the 4 remaining steps: progress (s-2)/4 -> 0.5 * (1 + cos(pi * p))
     expected = [0.5, 1.0, 1.0, 0.5 * (1 + 2 ** -0.5), 0.5, 0.5 * (1 - 2 ** -0.5)]
     assert [lr_factor(s, cfg) for s in range(6)] == pytest.approx(expected)
+    # a floor of 0.2 scales the decay into [0.2, 1]: 0.2 + 0.8 x the cosine, not max(0.2, cosine)
+    floored = replace(cfg, min_lr_ratio=0.2)
+    want = [0.5, 1.0] + [0.2 + 0.8 * f for f in expected[2:]]
+    assert [lr_factor(s, floored) for s in range(6)] == pytest.approx(want)
     assert lr_factor(5, TrainConfig(steps=6, warmup_steps=2)) == 1.0  # constant after warmup
 
 

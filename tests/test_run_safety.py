@@ -325,6 +325,12 @@ def test_a_refused_resume_changes_nothing(tmp_path):
     refused = run([*SMALL, "--steps", "2", "--out", str(out), "--resume", str(out / "checkpoints" / "step_000002")])
     assert refused.returncode == 2 and "nothing to train" in refused.stderr.splitlines()[-1]
     assert latest_step(out) == 4 and steps(out) == [1, 2, 3, 4]  # `latest` and the logs as they were
+    # a damaged log refuses a rewinding resume before the rewind moves the later checkpoints aside
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join([lines[0], "garbage\n", *lines[2:]]))
+    refused = run([*SMALL, "--steps", "4", "--out", str(out), "--resume", str(out / "checkpoints" / "step_000002")])
+    assert refused.returncode == 2 and "metrics.jsonl:2 is not a JSON record" in refused.stderr.splitlines()[-1]
+    assert latest_step(out) == 4 and not list((out / "checkpoints").glob("abandoned-*"))
 
 
 def test_a_resume_from_an_earlier_checkpoint_keeps_the_abandoned_future(tmp_path):

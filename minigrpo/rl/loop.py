@@ -13,7 +13,7 @@ from tqdm import tqdm
 from minigrpo.rl.evaluate import decoded, evaluate
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import latest_name, set_aside_later, set_latest
-from minigrpo.run.metrics import MetricsLogger
+from minigrpo.run.metrics import MetricsLogger, check_logs
 from minigrpo.run.stopping import Interrupted, NonFiniteError, StopSignals, nonfinite
 
 
@@ -23,6 +23,7 @@ def run(trainer: Trainer) -> list[dict]:
     t, cfg, main = trainer, trainer.cfg, trainer.dist.is_main
     resumed = t.resumed_from is not None
     if main and resumed:
+        check_logs(t.out_dir)  # a damaged log refuses the resume before the rewind moves anything
         _rewind(t)
     logger = MetricsLogger(t.out_dir, tensorboard=t.tensorboard, echo=t.echo,
                            resume_step=t.step_idx if resumed else None) if main else None

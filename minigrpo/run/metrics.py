@@ -70,10 +70,21 @@ class DamagedLog(ValueError):
     """A complete line of a run's jsonl log is not JSON: the file was edited or damaged, not cut short."""
 
 
-def _truncate_after(path: Path, step: int) -> None:
-    """Keep the records of steps <= `step` (and no line a crash cut short), rewriting the file atomically."""
+LOGS = ("metrics", "samples", "eval")  # the run's <name>.jsonl logs
+
+
+def check_logs(out_dir: Path) -> None:
+    """Raise DamagedLog where a run's log holds a complete line that is not a step's record: a resume checks
+    this before it changes anything in the run."""
+    for name in LOGS:
+        _records_upto(out_dir / f"{name}.jsonl", step=-1)
+
+
+def _records_upto(path: Path, step: int) -> list[str]:
+    """The lines of `path` that record steps <= `step`, after checking every complete line (a last line a
+    crash cut short is dropped)."""
     if not path.is_file():
-        return
+        return []
     lines = path.read_bytes().split(b"\n")[:-1]  # complete lines only
     kept = []
     for number, line in enumerate(lines, 1):
@@ -83,6 +94,14 @@ def _truncate_after(path: Path, step: int) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError, AttributeError):
             raise DamagedLog(f"{path}:{number} is not a JSON record of a step; repair or remove that line, then "
                              f"resume again") from None
+    return kept
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the records of steps <= `step` (and no line a crash cut short), rewriting the file atomically."""
+    if not path.is_file():
+        return
+    kept = _records_upto(path, step)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(ln + "\n" for ln in kept))
     fsync_tree(tmp)
@@ -103,7 +122,7 @@ class MetricsLogger:
                  echo: bool = True):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.paths = {name: self.out_dir / f"{name}.jsonl" for name in ("metrics", "samples", "eval")}
+        self.paths = {name: self.out_dir / f"{name}.jsonl" for name in LOGS}
         for p in self.paths.values():
             if resume_step is not None:
                 _truncate_after(p, resume_step)

@@ -25,6 +25,7 @@ from minigrpo.model.tokenizer import Tokenizer
 from minigrpo.rl import distributed
 from minigrpo.rl.evaluate import decoded, evaluate
 from minigrpo.run.cli import OneLineParser, parse_device
+from minigrpo.run.run_dir import run_owning
 from minigrpo.run.stopping import nonfinite
 from minigrpo.tasks.task import add_task_flags, load_task, prompt_budget
 from weights.download import resolve_model_dir
@@ -38,6 +39,9 @@ def check_out(p: argparse.ArgumentParser, out: Path, overwrite: bool, *, test_da
         p.error(f"--out {out} is the --test-data file; write the results elsewhere")
     if model_dir is not None and out.resolve().is_relative_to(Path(model_dir).resolve()):
         p.error(f"--out {out} lies in the --model-dir it evaluates; write the results elsewhere")
+    if (run := run_owning(out)) is not None:
+        p.error(f"--out {out} is one of the files of the run in {run}, which only train.py writes; write the "
+                f"results elsewhere")
     if out.is_dir():
         p.error(f"--out {out} is a directory; give a file path, e.g. {out / 'eval.jsonl'}")
     parent = out.parent

@@ -166,6 +166,22 @@ def test_evaluate_never_writes_into_the_model_it_evaluates(tmp_path, tiny_qwen_d
     assert weights.read_bytes() == before
 
 
+def test_neither_tool_writes_over_a_runs_own_files(tmp_path, config):
+    # A run's logs and checkpoints are train.py's alone: evaluate.py --out metrics.jsonl would cut its history,
+    # and download.py --out into a checkpoint would swap its trained weights for random ones, even with --overwrite.
+    run_dir, log = tmp_path / "run", "{\"step\": 1}\n"
+    ckpt = run_dir / "checkpoints" / "step_000002" / "model"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text(config.read_text())
+    (run_dir / "metrics.jsonl").write_text(log)
+    refused(run(["evaluate.py", "--model-dir", str(tmp_path / "no-model"), "--device", "cpu", "--out",
+                 str(run_dir / "metrics.jsonl"), "--overwrite"]),
+            f"--out {run_dir / 'metrics.jsonl'} is one of the files of the run in {run_dir}, which only train.py")
+    refused(run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(ckpt), "--overwrite"]),
+            f"--out {ckpt} lies among the files of the run in {run_dir}")
+    assert (run_dir / "metrics.jsonl").read_text() == log and sorted(os.listdir(ckpt)) == ["config.json"]
+
+
 def test_evaluate_refuses_weights_with_nan_and_names_sampled_accuracy(tmp_path, tiny_qwen_dir):
     common = ["evaluate.py", "--test-data", str(GSM8K_TEST), "--limit", "1", "--max-new-tokens", "2", "--device", "cpu"]
     proc = run([*common, "--model-dir", str(tiny_qwen_dir), "--eval-temperature", "1"])

@@ -30,6 +30,7 @@ from minigrpo.model.config import ModelConfig
 from minigrpo.model.qwen2 import Qwen2ForCausalLM, init_weights
 from minigrpo.model.tokenizer import Tokenizer
 from minigrpo.run.cli import OneLineParser
+from minigrpo.run.run_dir import run_owning
 
 DEFAULT_REPO = "Qwen/Qwen2.5-0.5B-Instruct"
 DEFAULT_DIR = Path("checkpoints/qwen2.5-0.5b-instruct")
@@ -79,6 +80,9 @@ def check_out(p: argparse.ArgumentParser, out: Path, random_init: bool, overwrit
         p.error(f"--out {given}: the root cannot be a model directory; choose another --out")
     if out.exists() and not out.is_dir():
         p.error(f"--out {given} is a file, not a directory; choose another --out")
+    if (run := run_owning(out)) is not None:
+        p.error(f"--out {given} lies among the files of the run in {run} (its checkpoints are written by train.py "
+                f"only); choose another --out")
     if random_init and out.is_symlink():  # replacing the directory would replace the link, not what it names
         p.error(f"--out {given} is a symbolic link; give the directory it points to, {out.resolve()}")
     parent = next(a for a in out.parents if a.exists())

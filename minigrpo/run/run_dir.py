@@ -26,6 +26,16 @@ def run_files(out: Path) -> list[str]:
     return [name for name in RUN_FILES if (out / name).exists()]
 
 
+def run_owning(path: Path) -> Path | None:
+    """The run folder whose own files (RUN_FILES) `path` is, or lies in: only train.py writes there, so another
+    command (evaluate.py --out, weights/download.py --out) must not. None for any other path."""
+    path = path.resolve()
+    for folder in path.parents:
+        if path.relative_to(folder).parts[0] in RUN_FILES and run_files(folder):
+            return folder
+    return None
+
+
 def check_out(out: Path, *, resume: str | None, overwrite: bool) -> None:
     """Refuse flags that would delete or mix a run's files, with a message that says what to do instead.
     `resume` is --resume's value: None without the flag, "" for the newest checkpoint in `out`."""

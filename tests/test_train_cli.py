@@ -70,6 +70,8 @@ def test_help_documents_every_flag_and_each_default_once():
      "--eval-every 0 turns off; drop one of them"),
     (["--min-lr-ratio", "0.5"], "--min-lr-ratio 0.5 is the cosine schedule's floor, and --lr-schedule is 'constant': "
      "add --lr-schedule cosine, or drop --min-lr-ratio"),
+    (["--weight-decay", "1e6"], "--weight-decay 1000000.0 at --lr 1e-06 multiplies every weight by 1 - --lr x "
+     "--weight-decay = 0 per step, erasing the model; use --weight-decay < 1e+06"),
     (["--betas", "1", "0.9"], "--betas must be two numbers in [0, 1), got (1.0, 0.9)"),
     (["--eval-limit", "0"], "--eval-limit must be >= 1 (or unset), got 0"),
     (["--recompute-layers", "3"], "--recompute-layers 3 needs --activation-checkpointing, and must be >= 0"),

@@ -120,6 +120,10 @@ class TrainConfig:
             raise ValueError(f"need 0 < eps < 1 and eps_high > 0, got eps={self.eps}, eps_high={self.eps_high}")
         if not 0 < self.lr < 1:  # AdamW moves every weight by up to ~lr per step: 1 erases a model at once
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")
+        if self.lr * self.weight_decay >= 1:  # AdamW multiplies every weight by 1 - lr x weight_decay
+            raise ValueError(f"weight_decay {self.weight_decay} at lr {self.lr} multiplies every weight by "
+                             f"1 - lr x weight_decay = {1 - self.lr * self.weight_decay:g} per step, erasing the "
+                             f"model; use weight_decay < {1 / self.lr:g} (0.01-0.1 is usual)")
         lr = self.lr * (self.min_lr_ratio or 1)  # the schedule's floor (a cosine to 0 ends every update anyway)
         if self.weights == "bf16" and 0 < lr * self.weight_decay < MIN_BF16_DECAY:
             at = f"lr {self.lr}" + (f" x min_lr_ratio {self.min_lr_ratio}" if self.min_lr_ratio else "")

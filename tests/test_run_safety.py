@@ -24,7 +24,7 @@ from minigrpo.rl.config import TrainConfig
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import LATEST, latest_name, load_checkpoint, resolve_checkpoint, save_checkpoint
 from minigrpo.run.metrics import LEGEND, DamagedLog, MetricsLogger
-from minigrpo.run.run_dir import check_out
+from minigrpo.run.run_dir import check_out, locked_out, move_aside
 from minigrpo.run.stopping import NonFiniteError
 from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
 from minigrpo.tasks.task import prompt_budget
@@ -98,6 +98,18 @@ def test_a_rerun_into_a_used_out_is_refused_and_overwrite_moves_the_old_run_asid
     assert f"run folder: {out} (the run that was there is now {aside})" in fresh.stderr
     assert (aside / "metrics.jsonl").read_text() == history and latest_step(aside) == 2
     assert steps(out) == [1, 2, 3]
+
+
+def test_overwrite_through_a_symbolic_link_moves_its_folder_and_starts_afresh_where_it_points(tmp_path):
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    (real / "metrics.jsonl").write_text("{}\n")
+    link.symlink_to(real)
+    check_out(link, resume=None, overwrite=True)
+    aside = move_aside(link)
+    with locked_out(link):
+        assert link.is_symlink() and link.resolve() == real and list(real.iterdir()) == []
+    assert aside.name.startswith("real.old-") and (aside / "metrics.jsonl").read_text() == "{}\n"
 
 
 def test_out_rules(tmp_path):

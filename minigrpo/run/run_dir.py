@@ -86,7 +86,7 @@ def move_aside(out: Path) -> Path | None:
     """Rename a run folder to `<out>.old-<time>`, never deleting it; None when `out` holds no run."""
     if not run_files(out):
         return None
-    out = out.resolve()  # "." has no name to add a suffix to
+    out = out.resolve()  # "." has no name to add a suffix to; a link's folder moves, and the link stays
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside, n = out.with_name(f"{out.name}.old-{stamp}"), 1
     while aside.exists():
@@ -126,10 +126,12 @@ def _locked(out: Path) -> bool:
 def locked_out(out: Path):
     """Hold a lock on `out` (created if needed) while inside: another process holding it is running there, and
     one writing beside it would interleave the two runs' records. Folders created here and left empty (a start
-    that failed) are removed on the way out."""
-    created = [p for p in (out.absolute(), *out.absolute().parents) if not p.exists()]  # deepest first
-    out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out, os.O_RDONLY)
+    that failed) are removed on the way out. A symbolic link's folder is created where it points (after
+    --overwrite moved the one it named aside)."""
+    real = out.resolve()
+    created = [p for p in (real, *real.parents) if not p.exists()]  # deepest first
+    real.mkdir(parents=True, exist_ok=True)
+    fd = os.open(real, os.O_RDONLY)
     try:
         try:
             if not _try_lock(fd):

@@ -212,6 +212,19 @@ def test_ctrl_c_during_the_evaluation_is_one_line_and_writes_nothing(tmp_path, t
     assert list(tmp_path.iterdir()) == []
 
 
+def test_ctrl_c_while_random_weights_are_written_leaves_nothing(tmp_path, config, monkeypatch):
+    import minigrpo.model.checkpoint as checkpoint
+    from weights import download
+
+    def interrupted(state, path, **kwargs):  # Ctrl-C with half the weights on the disk
+        path.write_bytes(b"half a file")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint, "save_file", interrupted)
+    with pytest.raises(SystemExit, match="interrupted: nothing was written"):
+        download.main(["--random-init", "--config", str(config), "--out", str(tmp_path / "model")])
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no temporary folder, no --out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_evaluate_on_cuda_without_cuda_says_to_use_the_cpu(tmp_path):
     refused(run(["evaluate.py", "--model-dir", str(tmp_path / "no-model"), "--device", "cuda"]),

@@ -58,6 +58,7 @@ def test_help_documents_every_flag_and_each_default_once():
                                                 "drop --template"),
     (["--eval-samples", "4"], "--eval-samples=4 needs --eval-temperature > 0"),
     (["--model-dir", "/nonexistent/model"], "/nonexistent/model is not a model directory"),
+    (["--device", "xpu"], "--device xpu: minigrpo runs on cpu or cuda; use --device cpu, cuda or cuda:N"),
     (["--device", "banana"], "--device banana: not a torch device; use cpu, cuda or cuda:N"),
     (["--preset", "smoke", "--out", ""], "--out is empty; name the run's folder"),
     (["--lr", "inf"], "--lr must be a finite number, got inf"),

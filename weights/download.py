@@ -17,6 +17,7 @@ config.json, or from --repo's config and tokenizer (a few MB).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import os
 import sys
@@ -158,6 +159,16 @@ def resolve_model_dir(model_dir: str | Path | None) -> Path:
     return DEFAULT_DIR
 
 
+@contextlib.contextmanager
+def _interrupted_writes_nothing():
+    """Ctrl-C while drawing or writing the weights: one line, and --out as it was (save_model writes a temporary
+    folder, removed when interrupted, and renames it into place only when complete)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted: nothing was written") from None
+
+
 RANDOM_INIT_ONLY = ("config", "tokenizer_dir", "seed", "dtype", "device", "overwrite")  # main's flags
 
 
@@ -198,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
             check_config(p, args.config)
         if args.tokenizer_dir is not None and not (args.tokenizer_dir / "tokenizer.json").is_file():
             p.error(f"--tokenizer-dir {args.tokenizer_dir} holds no tokenizer.json; pass the folder holding it")
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, _interrupted_writes_nothing():
             config = args.config or download(args.repo, Path(tmp), args.revision, allow=NO_WEIGHTS)
             tok_dir = args.tokenizer_dir or (config if config.is_dir() else config.parent)
             check_tokenizer(p, tok_dir, ModelConfig.from_json(config).vocab_size)

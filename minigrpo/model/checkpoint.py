@@ -131,16 +131,17 @@ def save_model(model: Qwen2ForCausalLM, out_dir: str | Path, *, tokenizer_dir: s
 @contextlib.contextmanager
 def written(tmp: Path, what: str):
     """Write into the fresh folder `tmp` inside. A failed write (a full disk: torch.save and safetensors report
-    it as RuntimeError / SafetensorError, not OSError) removes `tmp` and is an OSError that names `what`."""
+    it as RuntimeError / SafetensorError, not OSError) removes `tmp` and is an OSError that names `what`; an
+    interrupted one (Ctrl-C) removes `tmp` too."""
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         yield
-    except (OSError, RuntimeError, SafetensorError) as e:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise
-        raise OSError(f"writing {what} failed: {e}") from e
+        if isinstance(e, (RuntimeError, SafetensorError)):
+            raise OSError(f"writing {what} failed: {e}") from e
+        raise
 
 
 def fsync_tree(path: Path, recursive: bool = True) -> None:

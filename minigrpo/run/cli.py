@@ -20,6 +20,11 @@ def parse_device(parser: argparse.ArgumentParser, text: str) -> torch.device:
         device = torch.device(text)
     except RuntimeError:
         parser.error(f"--device {text}: not a torch device; use cpu, cuda or cuda:N")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {text}: minigrpo runs on cpu or cuda; use --device cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {text}: CUDA is not available here; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        parser.error(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s); use cuda:0 to "
+                     f"cuda:{torch.cuda.device_count() - 1}")
     return device

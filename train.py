@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a name too long for the filesystem, a folder we may not look into
+        print(f"error: --out {out}: {e.strerror or e}; choose another --out", file=sys.stderr)
+        return 2
     try:
         dist, args.device = distributed.init_from_env(args.device)  # torchrun: one GPU (or CPU share) per rank
     except (ValueError, RuntimeError) as e:

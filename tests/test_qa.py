@@ -63,6 +63,10 @@ def test_final_answer_by_format():
 
 
 def test_missing_file_says_what_to_do(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"--test-data .*: not a file; pass a local jsonl"):
+        load_examples("gsm8k", "test", tmp_path)  # a folder
+    with pytest.raises(ValueError, match=r"--question-field and --answer-field are both 'answer'"):
+        load_examples("gsm8k", "test", tmp_path, question_field="answer")
     with pytest.raises(FileNotFoundError, match=r"--train-data .*nope\.jsonl: file not found; pass a local jsonl, "
                                                 r"or leave the flag out to download openai/gsm8k"):
         load_examples("gsm8k", "train", path=tmp_path / "nope.jsonl")

@@ -112,6 +112,14 @@ def test_overwrite_through_a_symbolic_link_moves_its_folder_and_starts_afresh_wh
     assert aside.name.startswith("real.old-") and (aside / "metrics.jsonl").read_text() == "{}\n"
 
 
+def test_an_out_that_cannot_be_written_is_refused_at_start(tmp_path, monkeypatch):
+    import minigrpo.run.run_dir as run_dir
+
+    monkeypatch.setattr(run_dir.os, "access", lambda path, mode: Path(path) != tmp_path)  # tmp_path read-only
+    with pytest.raises(ValueError, match=f"--out {tmp_path / 'a' / 'b'}: cannot write in {tmp_path}; choose another"):
+        check_out(tmp_path / "a" / "b", resume=None, overwrite=False)
+
+
 def test_out_rules(tmp_path):
     used = tmp_path / "used"
     (used / "checkpoints").mkdir(parents=True)

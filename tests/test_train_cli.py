@@ -97,6 +97,7 @@ def test_help_documents_every_flag_and_each_default_once():
      "lost, wholly or in part): use --weights fp32, or --weight-decay 0 or >= 1"),
     (["--weights", "bf16", "--lr", "1e-5", "--weight-decay", "0.1", "--lr-schedule", "cosine", "--min-lr-ratio",
       "0.1"], "--weight-decay 0.1 at --lr 1e-05 x --min-lr-ratio 0.1 shrinks bf16 parameters by 1.0e-07 per step"),
+    (["--preset", "smoke", "--out", "x" * 300], f"--out {'x' * 300}: File name too long; choose another --out"),
     (["--preset", "smoke", "--out", "README.md"], "--out README.md is a file, not a folder; choose another --out"),
     (["--preset", "smoke", "--attn", "triton", "--out", "{tmp}/out"],
      "--attn triton runs Triton kernels, which need a CUDA GPU; on the CPU use --attn sdpa (or set TRITON_INTERPRET=1 "

@@ -65,7 +65,8 @@ def _read_state_dict(model_dir: Path, dtype: torch.dtype, device: str | torch.de
                         raise ValueError(f"tensor {key!r} appears in more than one file (again in {path})")
                     state[key] = f.get_tensor(key).to(dtype)
         except SafetensorError as e:
-            raise ValueError(f"{path} is truncated or corrupt ({e}); delete it and download again") from None
+            raise ValueError(f"{path} is truncated or corrupt ({e}); download the model again, or, for a "
+                             f"training checkpoint, resume from another checkpoint") from None
     return state
 
 

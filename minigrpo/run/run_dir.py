@@ -46,6 +46,9 @@ def check_out(out: Path, *, resume: str | None, overwrite: bool) -> None:
         raise ValueError(f"--out {out} lies under {above}, which is a file, not a folder; choose another --out")
     if not out.resolve().name:
         raise ValueError(f"--out {out} is the root folder; choose a folder for the run, e.g. runs/a")
+    writes_in = out if out.exists() else above
+    if writes_in is not None and not os.access(writes_in, os.W_OK | os.X_OK):  # found now, not after a step
+        raise ValueError(f"--out {out}: cannot write in {writes_in}; choose another --out")
     if (out / "config.json").is_file():
         raise ValueError(f"--out {out} is a model directory (it holds config.json); a run writes beside its model, "
                          f"not into it: choose another --out")

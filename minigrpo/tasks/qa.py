@@ -123,10 +123,14 @@ def load_examples(task: str, split: str, path: str | Path | None = None, *, ques
     else from the Hub. numeric: every final answer must be a number (the numeric reward could match nothing else)."""
     src = SOURCES[task]
     fields = (question_field or src.question, answer_field or src.answer)
+    if fields[0] == fields[1]:
+        raise ValueError(f"--question-field and --answer-field are both {fields[0]!r}: the model would be shown "
+                         f"the answer; name two different fields")
     hub = src.hub.get(split)
     if path is not None:
         if not Path(path).is_file():
-            raise FileNotFoundError(f"--{split}-data {path}: file not found; pass a local jsonl" + (
+            what = "not a file" if Path(path).exists() else "file not found"  # a folder, /dev/null
+            raise FileNotFoundError(f"--{split}-data {path}: {what}; pass a local jsonl" + (
                 f", or leave the flag out to download {hub[0]} from the Hugging Face Hub" if hub else ""))
         return load_jsonl(path, fields, src.final, numeric)
     if hub is None:

@@ -140,8 +140,9 @@ def written(tmp: Path, what: str):
         yield
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, (RuntimeError, SafetensorError)):
-            raise OSError(f"writing {what} failed: {e}") from e
+        if isinstance(e, (RuntimeError, SafetensorError)):  # torch's message for a full disk names no disk
+            free = shutil.disk_usage(tmp.parent).free
+            raise OSError(f"writing {what} failed ({e}); its disk has {free / 2**30:.1f} GiB free") from e
         raise
 
 

@@ -12,6 +12,7 @@ import torch
 from conftest import GSM8K, tiny_config
 
 from minigrpo.model.checkpoint import load_model
+from minigrpo.run.run_dir import locked_out
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_TEST = GSM8K / "test.jsonl"
@@ -180,6 +181,15 @@ def test_neither_tool_writes_over_a_runs_own_files(tmp_path, config):
     refused(run(["weights/download.py", "--random-init", "--config", str(config), "--out", str(ckpt), "--overwrite"]),
             f"--out {ckpt} lies among the files of the run in {run_dir}")
     assert (run_dir / "metrics.jsonl").read_text() == log and sorted(os.listdir(ckpt)) == ["config.json"]
+    early, other = tmp_path / "early", tmp_path / "evals"  # a run before its first checkpoint; a plain folder
+    for folder in (early, other):
+        folder.mkdir()
+        (folder / "metrics.jsonl").write_text(log)
+    with locked_out(early):  # the run is writing there now
+        refused(run(["evaluate.py", "--model-dir", str(tmp_path / "no-model"), "--device", "cpu", "--out",
+                     str(early / "metrics.jsonl"), "--overwrite"]), f"is one of the files of the run in {early}")
+    assert "no-model is not a model directory" in run(["evaluate.py", "--model-dir", str(tmp_path / "no-model"),
+                                                       "--out", str(other / "metrics.jsonl"), "--overwrite"]).stderr
 
 
 def test_evaluate_refuses_weights_with_nan_and_names_sampled_accuracy(tmp_path, tiny_qwen_dir):

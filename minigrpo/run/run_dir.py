@@ -28,10 +28,13 @@ def run_files(out: Path) -> list[str]:
 
 def run_owning(path: Path) -> Path | None:
     """The run folder whose own files (RUN_FILES) `path` is, or lies in: only train.py writes there, so another
-    command (evaluate.py --out, weights/download.py --out) must not. None for any other path."""
+    command (evaluate.py --out, weights/download.py --out) must not. A folder is a run's when it holds other
+    RUN_FILES too, or a run is writing there now; an eval.jsonl alone is an earlier evaluate.py's. None for any
+    other path."""
     path = path.resolve()
     for folder in path.parents:
-        if path.relative_to(folder).parts[0] in RUN_FILES and run_files(folder):
+        name = path.relative_to(folder).parts[0]
+        if name in RUN_FILES and (set(run_files(folder)) - {name} or _locked(folder)):
             return folder
     return None
 

@@ -62,7 +62,7 @@ case "${1:-}" in
   train)       # one full Dr. GRPO step per backend on a random-initialised Qwen2.5-0.5B
     rand 0.5b
     for attn in triton sdpa; do
-      python3 train.py --model-dir /tmp/rand05b --train-data "$DATA/gsm8k/train.jsonl" --test-data "$DATA/gsm8k/test.jsonl" \
+      python3 train.py --model-dir /tmp/rand05b --train-data "$DATA/gsm8k/train.jsonl" \
         --device cuda --attn "$attn" -B 8 -G 8 --max-new-tokens 256 -K 2 --beta 0.04 --steps 2 --eval-every 0 \
         --save-every 0 --sample-every 0 --out "$OUT/train_$attn" "${@:2}" 2>&1 | tail -4
     done ;;

@@ -128,6 +128,7 @@ def test_evaluate_refuses_an_empty_batch_or_budget(tmp_path, flags, message):
 
 @pytest.mark.parametrize("out, message", [
     ("nodir/e.jsonl", "--out nodir/e.jsonl: nodir is not an existing directory; create it first"),
+    ("nodir/metrics.jsonl", "--out nodir/metrics.jsonl: nodir is not an existing directory; create it first"),
     (".", "--out . is a directory; give a file path"),
     ("old.jsonl", "--out old.jsonl already exists; pass --overwrite to replace it, or choose another --out"),
 ])

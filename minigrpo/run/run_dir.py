@@ -34,7 +34,7 @@ def run_owning(path: Path) -> Path | None:
     path = path.resolve()
     for folder in path.parents:
         name = path.relative_to(folder).parts[0]
-        if name in RUN_FILES and (set(run_files(folder)) - {name} or _locked(folder)):
+        if name in RUN_FILES and folder.is_dir() and (set(run_files(folder)) - {name} or _locked(folder)):
             return folder
     return None
 

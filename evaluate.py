@@ -70,7 +70,8 @@ def write_records(out: Path, lines: list[str]) -> None:
         raise
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags of argv (default: sys.argv), each checked before anything loads; a bad one exits with one line."""
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=None,
                    help="HF model directory to evaluate (default: weights/download.py's directory, downloaded "
@@ -111,7 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.eval_samples > 1 and args.eval_temperature == 0:
         p.error(f"--eval-samples {args.eval_samples} at --eval-temperature 0 would be copies of one greedy "
                 f"completion; pass --eval-temperature > 0")
+    return args
 
+
+def load(args: argparse.Namespace):
+    """(process group, tokenizer, task, rollout backend) for args; bad input (a missing model, a damaged file, a
+    prompt past the model's positions) exits 2 with one line, as train.py and argparse do."""
     try:
         dist, args.device = distributed.init_from_env(args.device)
         model_dir = resolve_model_dir(args.model_dir)
@@ -127,9 +133,31 @@ def main(argv: list[str] | None = None) -> None:
         prompt_tokens = prompt_budget([(task, n)], model.config.max_position_embeddings, args.max_new_tokens)
         attn = args.attn or ("triton" if model.lm_head.weight.is_cuda else "reference")
         backend = make_backend(attn, model, pad_id=tokenizer.pad_id, max_seq_len=prompt_tokens + args.max_new_tokens)
-    except (OSError, ValueError, RuntimeError, ImportError) as e:  # bad input: exit 2, as train.py and argparse
+    except (OSError, ValueError, RuntimeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    return dist, tokenizer, task, backend
+
+
+def report(args: argparse.Namespace, res: dict, tokenizer: Tokenizer) -> str | None:
+    """Print the scores and write --out; returns the error line where --out could not be written."""
+    sampled = f"sampled (temperature {args.eval_temperature:g})" if args.eval_temperature else "greedy"
+    scores = (f"{sampled} accuracy {res['accuracy']:.4f}" if args.eval_samples == 1 else
+              ", ".join(f"{key} {res[key]:.4f}" for key in res if key.startswith(("mean@", "pass@"))))
+    print(f"{scores} on {res['n']} {args.task} test examples ({args.template} template; mean length "
+          f"{res['completion_len_mean']:.0f} tokens, {res['truncated_frac']:.1%} truncated, {res['seconds']:.0f}s, "
+          f"{res['examples_per_s']:.2f} examples/s)")
+    if args.out is not None:
+        try:
+            write_records(args.out, [json.dumps(r) + "\n" for r in decoded(res["records"], tokenizer.decode)])
+        except OSError as e:  # checked at start; the disk filled up, or the folder went, since
+            return f"error: could not write --out {args.out}: {e}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    dist, tokenizer, task, backend = load(args)
     try:
         res = evaluate(backend, task, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                        limit=args.limit, samples=args.eval_samples, temperature=args.eval_temperature, seed=args.seed,
@@ -141,20 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         distributed.shutdown(dist, together=False)
         raise SystemExit(f"error: out of GPU memory at --batch-size {args.batch_size}; lower --batch-size (or "
                          f"--max-new-tokens)") from None
-    failed = None
-    if dist.is_main:
-        k = args.eval_samples
-        sampled = f"sampled (temperature {args.eval_temperature:g})" if args.eval_temperature else "greedy"
-        scores = (f"{sampled} accuracy {res['accuracy']:.4f}" if k == 1 else
-                  ", ".join(f"{key} {res[key]:.4f}" for key in res if key.startswith(("mean@", "pass@"))))
-        print(f"{scores} on {res['n']} {args.task} test examples ({args.template} template; mean length "
-              f"{res['completion_len_mean']:.0f} tokens, {res['truncated_frac']:.1%} truncated, {res['seconds']:.0f}s, "
-              f"{res['examples_per_s']:.2f} examples/s)")
-        if args.out is not None:
-            try:
-                write_records(args.out, [json.dumps(r) + "\n" for r in decoded(res["records"], tokenizer.decode)])
-            except OSError as e:  # checked at start; the disk filled up, or the folder went, since
-                failed = f"error: could not write --out {args.out}: {e}"
+    failed = report(args, res, tokenizer) if dist.is_main else None
     distributed.shutdown(dist, together=True)
     if failed:
         raise SystemExit(failed)

@@ -193,44 +193,57 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args, dist, out: Path, argv: list[str], locks: contextlib.ExitStack) -> int:
-    """Build, resume and run; rank 0 holds the run folder's locks (`locked_out`) in `locks`, the caller's."""
+    """Take the run folder, build, resume and run; rank 0 holds the folder's locks (`locked_out`) in `locks`, the
+    caller's."""
     try:
         dist.barrier()  # every rank's check_out has probed the folder's lock before rank 0 takes it
         if dist.is_main:
-            locks.enter_context(locked_out(out))
-            aside = move_aside(out) if args.overwrite else None
-            if aside:
-                locks.enter_context(locked_out(out))  # the new, empty folder
-            remove_stale_temps(out / "checkpoints")  # an interrupted save's leftovers
-            print(f"run folder: {out}" + (f" (the run that was there is now {aside})" if aside else ""),
-                  file=sys.stderr)
-            if args.parallel == "fsdp" and dist.world == 1:
-                print("note: --parallel fsdp in one process shards nothing; start it with torchrun to shard",
-                      file=sys.stderr)
+            _take_out(args, dist, out, locks)
         dist.barrier()
-        model, tokenizer, train, test, model_dir = (build_qa(args, dist) if args.preset == "gsm8k"
-                                                    else build_smoke(args))
-        if nonfinite(model):
-            raise ValueError(f"the weights in {model_dir or 'the initial model'} hold NaN or inf; train from a "
-                             f"sound model")
-        try:
-            args.cfg.recomputed_layers(model.config.num_hidden_layers)  # the one setting checked against the model
-        except ValueError as e:
-            raise ValueError(flag_names(str(e), build_parser())) from None
-        backend = build_backend(args, model, tokenizer, train, test, dist.world)
-        # Built before resuming: with --beta > 0 the KL reference is the initial policy, not the checkpoint.
-        trainer = Trainer(args.cfg, model, tokenizer, train, backend, out, eval_task=test,
-                          tokenizer_dir=model_dir, tensorboard=args.tensorboard, dist=dist)
-        if args.resume is not None:
-            trainer.resume(args.resume or out)
-            if trainer.step_idx >= args.cfg.steps:
-                raise ValueError(f"the checkpoint is at step {trainer.step_idx} and --steps is {args.cfg.steps}: "
-                                 f"nothing to train; pass a larger --steps to continue")
-            if dist.is_main:
-                print(f"resumed from step {trainer.step_idx}", file=sys.stderr)
+        trainer = _build_trainer(args, dist, out)
     except (OSError, ValueError, RuntimeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return _run(trainer, dist, out, argv)
+
+
+def _take_out(args, dist, out: Path, locks: contextlib.ExitStack) -> None:
+    """Rank 0: lock the run folder (after moving an old run aside, with --overwrite) and clear a save's leftovers."""
+    locks.enter_context(locked_out(out))
+    aside = move_aside(out) if args.overwrite else None
+    if aside:
+        locks.enter_context(locked_out(out))  # the new, empty folder
+    remove_stale_temps(out / "checkpoints")  # an interrupted save's leftovers
+    print(f"run folder: {out}" + (f" (the run that was there is now {aside})" if aside else ""), file=sys.stderr)
+    if args.parallel == "fsdp" and dist.world == 1:
+        print("note: --parallel fsdp in one process shards nothing; start it with torchrun to shard", file=sys.stderr)
+
+
+def _build_trainer(args, dist, out: Path) -> Trainer:
+    """The model, data, rollout backend and Trainer of args, resumed where --resume says."""
+    model, tokenizer, train, test, model_dir = build_qa(args, dist) if args.preset == "gsm8k" else build_smoke(args)
+    if nonfinite(model):
+        raise ValueError(f"the weights in {model_dir or 'the initial model'} hold NaN or inf; train from a sound model")
+    try:
+        args.cfg.recomputed_layers(model.config.num_hidden_layers)  # the one setting checked against the model
+    except ValueError as e:
+        raise ValueError(flag_names(str(e), build_parser())) from None
+    backend = build_backend(args, model, tokenizer, train, test, dist.world)
+    # Built before resuming: with --beta > 0 the KL reference is the initial policy, not the checkpoint.
+    trainer = Trainer(args.cfg, model, tokenizer, train, backend, out, eval_task=test,
+                      tokenizer_dir=model_dir, tensorboard=args.tensorboard, dist=dist)
+    if args.resume is not None:
+        trainer.resume(args.resume or out)
+        if trainer.step_idx >= args.cfg.steps:
+            raise ValueError(f"the checkpoint is at step {trainer.step_idx} and --steps is {args.cfg.steps}: "
+                             f"nothing to train; pass a larger --steps to continue")
+        if dist.is_main:
+            print(f"resumed from step {trainer.step_idx}", file=sys.stderr)
+    return trainer
+
+
+def _run(trainer: Trainer, dist, out: Path, argv: list[str]) -> int:
+    """Train; each way the run can end is one line and an exit code (0 done, 1 failed, 2 bad input, 128 + signal)."""
     try:
         history = run(trainer)
     except Interrupted as e:

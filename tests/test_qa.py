@@ -74,10 +74,16 @@ def test_missing_file_says_what_to_do(tmp_path):
         load_examples("jsonl", "test")
 
 
-def test_malformed_line_names_file_and_line(tmp_path):
-    path = _write(tmp_path, [_rec(), '{"question": "Q", "answer": '])
-    with pytest.raises(ValueError, match=r"data\.jsonl:2: not valid JSON"):
+def test_malformed_line_names_file_line_and_column(tmp_path):
+    path = _write(tmp_path, [_rec(), '{"question": "Q", "answer": "#### 1"'])  # the closing brace is missing
+    with pytest.raises(ValueError, match=r"data\.jsonl:2: not valid JSON \(Expecting ',' delimiter at column 37\)"):
         load_jsonl(path)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (_rec() + "\n").encode())  # UTF-8 as some Windows editors save it
+    assert len(load_jsonl(path)) == 1
 
 
 def test_non_object_line(tmp_path):

@@ -99,14 +99,14 @@ def load_jsonl(path: str | Path, fields: tuple[str, str] = ("question", "answer"
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig")  # -sig: a byte-order mark some editors write is no text
             except UnicodeDecodeError as e:
                 raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
                                  f"re-save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\r\n"))  # the error's column is then in this line
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(record, dict):

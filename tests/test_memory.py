@@ -230,7 +230,8 @@ def test_a_compiled_layer_saves_at_most_the_estimate_on_the_gpu():
         layer.compile(options=LAYER_OPTIONS)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 500, (128 + 40 * i,), generator=gen).tolist() for i in range(2)] * 2
-    p = pack(prompts, [torch.randint(1, 500, (256,), generator=gen).tolist() for _ in range(4)], pad_id=0, device="cuda")
+    completions = [torch.randint(1, 500, (256,), generator=gen).tolist() for _ in range(4)]
+    p = pack(prompts, completions, pad_id=0, device="cuda")
     (S, Lq), T = p.segments.queries.shape, p.ids.shape[1]
     one = saved_bytes(model, lambda: model.hidden_states(p.ids, recompute_layers=1, packed=p))  # 1 kept + 1 input
     two = saved_bytes(model, lambda: model.hidden_states(p.ids, packed=p))

@@ -4,7 +4,6 @@ import copy
 import json
 import math
 from dataclasses import replace
-from types import SimpleNamespace
 
 import numpy as np
 import pytest

@@ -108,7 +108,7 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
     Grouped-query attention as one SDPA call over the kv heads: the n_rep query heads that share a kv head are
     stacked along the query axis, so k and v are gathered once per kv head, not repeated n_rep times (SDPA's
     enable_gqa with a mask would fall back to its math kernel, which materialises every score)."""
-    (Hq, T, D), Hkv = q.shape, k.shape[0]
+    (Hq, _, D), Hkv = q.shape, k.shape[0]
     S, Lq = segments.queries.shape
     qs = q[:, segments.queries].view(Hkv, Hq // Hkv, S, Lq, D)                               # (Hkv, r, S, Lq, D)
     qs = qs.permute(2, 0, 1, 3, 4).reshape(S, Hkv, Hq // Hkv * Lq, D)                        # (S, Hkv, r*Lq, D)

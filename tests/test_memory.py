@@ -216,7 +216,7 @@ def saved_bytes(model, forward) -> int:
 def test_a_compiled_layer_saves_at_most_the_estimate_on_the_gpu():
     """One compiled bf16 decoder layer at the 7B shape, run as the training forward runs it (packed rows, 2 prompts
     x 2 samples): what it saves is under _layer_bytes, which counts what a compiled layer keeps op by op, give or
-    take the norms' fp32 statistics (8 B per token) and the attention's RNG state (bytes per batch). Prints the
+    take what Inductor derives per layer besides (index tensors; session 25: 0.08% of the count). Prints the
     ratio."""
     from minigrpo.model.packing import pack
     from minigrpo.rl.memory import _layer_bytes, _Packing
@@ -238,7 +238,7 @@ def test_a_compiled_layer_saves_at_most_the_estimate_on_the_gpu():
     counted = _layer_bytes(m, 2, 2, _Packing(T, S, S * Lq, p.segments.keys.numel())) - T * 2 * m.hidden_size
     print(f"\n[layer 7b] a compiled layer saves {two - one} B over {T} packed tokens; counted {counted}: "
           f"{(two - one) / counted:.2f}x")
-    assert two - one <= counted + 16 * T
+    assert two - one <= 1.01 * counted
 
 
 def test_auto_recomputes_the_fewest_layers_that_fit():

@@ -17,16 +17,16 @@ def test_packing_layout_hand_made():
     assert p.ids.tolist() == [[1, 2, 4, STOP, 5, 3, 6, 7, 8] + [PAD] * 7]   # 9 tokens -> 16: aligned
     assert p.positions.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 3] + list(range(7))]  # completions continue their prompt
     assert p.prompt_ends == [1, 1, 5] and p.starts == [2, 4, 6]
-    s = p.segments  # segments: [1, 2], [4, STOP], [5], [3], [6, 7, 8], the padding; Lq 8, Lp 8
-    assert s.queries.shape == (6, 8) and s.keys.shape == (6, 16) and s.slots.tolist() == list(range(0, 2)) + \
-        list(range(8, 10)) + [16] + [24] + list(range(32, 35)) + list(range(40, 47))
-    assert s.keys[2, :2].tolist() == [0, 1] and s.keys[2, 8].item() == 4  # row 1: its prompt's copy, then itself
+    s = p.segments  # segments: [1, 2], [4, STOP], [5], [3], [6, 7, 8], the padding; Lq 16, Lp 16
+    assert s.queries.shape == (6, 16) and s.keys.shape == (6, 32) and s.slots.tolist() == [0, 1, 16, 17, 32, 48] + \
+        list(range(64, 67)) + list(range(80, 87))
+    assert s.keys[2, :2].tolist() == [0, 1] and s.keys[2, 16].item() == 4  # row 1: its prompt's copy, then itself
     seen = s.allowed[:, 0]                                                   # (S, Lq, Lk)
     # [5] (segment 2) sees the prompt's two tokens and itself, not row 0's completion
-    assert seen[2, 0].nonzero().squeeze(1).tolist() == [0, 1, 8]
+    assert seen[2, 0].nonzero().squeeze(1).tolist() == [0, 1, 16]
     # [6, 7, 8]: its one-token prompt, then causally its own tokens
-    assert [seen[4, i].nonzero().squeeze(1).tolist() for i in range(3)] == [[0, 8], [0, 8, 9], [0, 8, 9, 10]]
-    assert seen[0, 1].nonzero().squeeze(1).tolist() == [8, 9]  # a prompt: causal in itself, no prompt part
+    assert [seen[4, i].nonzero().squeeze(1).tolist() for i in range(3)] == [[0, 16], [0, 16, 17], [0, 16, 17, 18]]
+    assert seen[0, 1].nonzero().squeeze(1).tolist() == [16, 17]  # a prompt: causal in itself, no prompt part
 
 
 def test_sequence_batch_scores_each_token_from_the_state_before_it_in_its_row():

@@ -17,7 +17,7 @@ Padding slots (past a segment's tokens) see their own earlier slots, so no softm
 sees them, and `slots` reads back only real tokens' outputs.
 
 Shape legend: T packed tokens, S segments, Lq the longest segment, Lp the longest prompt part (each rounded up
-to a multiple of 8), Lk = Lp + Lq, n rows (one per completion).
+to a multiple of 16), Lk = Lp + Lq, n rows (one per completion).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ class Packed:
     starts: list[int]        # per row: packed index of its first completion token
 
 
-def _aligned(n: int) -> int:
-    """n rounded up to a multiple of 8. The compiled decoder layer guards on sizes % 8 (Inductor's aligned loads):
+def _aligned(n: int, to: int = 8) -> int:
+    """n rounded up to a multiple of `to`. The compiled decoder layer guards on sizes % 8 (Inductor's aligned loads):
     aligned sizes share one graph, where an odd one would compile a second (~9 s at 0.5B)."""
-    return -(-n // 8) * 8
+    return -(-n // to) * to
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int, device) -> Packed:
@@ -79,8 +79,9 @@ def pack(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int,
 
 
 def _segments(own: list[tuple[int, int]], prefix: list[tuple[int, int]]) -> Segments:
-    """The gather indices and the mask of segments with these (start, length) own tokens and prompt parts."""
-    S, Lq, Lp = len(own), _aligned(max(n for _, n in own)), _aligned(max(n for _, n in prefix))
+    """The gather indices and the mask of segments with these (start, length) own tokens and prompt parts. Lq and Lp
+    are multiples of 16: SDPA's mem-efficient kernel copies a mask whose rows are not into one that is, every call."""
+    S, Lq, Lp = len(own), _aligned(max(n for _, n in own), 16), _aligned(max(n for _, n in prefix), 16)
     queries = torch.zeros((S, Lq), dtype=torch.long)
     keys = torch.zeros((S, Lp + Lq), dtype=torch.long)
     slots = []

@@ -88,7 +88,7 @@ class _Packing:
 
     @classmethod
     def of(cls, rows: int, prompts: int, prompt_tokens: int, new_tokens: int) -> _Packing:
-        aligned = lambda n: -(-n // 8) * 8  # noqa: E731
+        aligned = lambda n: -(-n // 16) * 16  # noqa: E731
         S, Lq = prompts + rows + 1, aligned(max(prompt_tokens, new_tokens))
         return cls(prompts * prompt_tokens + rows * new_tokens + 7, S, S * Lq, S * (aligned(prompt_tokens) + Lq))
 

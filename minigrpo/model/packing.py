@@ -30,7 +30,7 @@ import torch
 
 class Segments(NamedTuple):
     """What attention needs of a packing. Tensors only: it enters the compiled decoder layers."""
-    queries: torch.Tensor   # (S, Lq) long: packed index of each segment's own tokens (0 in padding slots)
+    queries: torch.Tensor   # (S, Lq) long: packed index of each segment's own tokens (any in padding slots)
     keys: torch.Tensor      # (S, Lk) long: packed index of its prompt's tokens, then of its own
     allowed: torch.Tensor   # (S, 1, Lq, Lk) bool: which key slot each query slot sees
     slots: torch.Tensor     # (T,) long: each packed token's flat slot s * Lq + i in (S, Lq)
@@ -82,8 +82,11 @@ def _segments(own: list[tuple[int, int]], prefix: list[tuple[int, int]]) -> Segm
     """The gather indices and the mask of segments with these (start, length) own tokens and prompt parts. Lq and Lp
     are multiples of 16: SDPA's mem-efficient kernel copies a mask whose rows are not into one that is, every call."""
     S, Lq, Lp = len(own), _aligned(max(n for _, n in own), 16), _aligned(max(n for _, n in prefix), 16)
-    queries = torch.zeros((S, Lq), dtype=torch.long)
-    keys = torch.zeros((S, Lp + Lq), dtype=torch.long)
+    # Padding slots read tokens spread over the packing: their gradient is zero, but scattered into one row
+    # the backward's atomic adds would queue on it.
+    T = sum(n for _, n in own)
+    queries = (torch.arange(S * Lq) % T).view(S, Lq)
+    keys = (torch.arange(S * (Lp + Lq)) % T).view(S, Lp + Lq)
     slots = []
     for s, ((o, n), (p, m)) in enumerate(zip(own, prefix)):
         queries[s, :n] = keys[s, Lp:Lp + n] = torch.arange(o, o + n)

@@ -1,8 +1,7 @@
-"""The Qwen2 / Qwen2.5 decoder: the reference forward over full (optionally left-padded) sequences, or over
-rows packed with one copy of each prompt (packing.py), the trainer's layout.
+"""The Qwen2 / Qwen2.5 decoder: the reference forward over full (optionally left-padded) sequences.
 
 The model the trainer differentiates, and the yardstick the rollout engine is checked against: plain code,
-SDPA attention, no KV cache. Parameter names are Hugging Face's, so a state dict
+SDPA attention with an explicit mask, no KV cache. Parameter names are Hugging Face's, so a state dict
 moves between this model, safetensors files and transformers with no rename table. Numerics follow HF op for op.
 
 Shape legend: B batch, T sequence length, C hidden, Hq query heads, Hkv kv heads, D head dim, F MLP width, V vocabulary.
@@ -17,7 +16,6 @@ import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minigrpo.model.config import ModelConfig
-from minigrpo.model.packing import Packed, Segments, attention_bias, segment_attention
 
 # SDPA's kernels less cuDNN's, which builds an execution plan for each new shape on the host (bench/NOTES.md)
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -66,16 +64,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(Hq * D, C, bias=False)
 
     def forward(self, x, cos, sin, mask):
-        """mask: None (causal), a boolean mask (B, 1, T, T), or (Segments, bias) for packed rows (B = 1)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, Hq, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         cos, sin = cos[:, None], sin[:, None]                                           # (B, 1, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if isinstance(mask, tuple):  # packed: the kernel takes a mask, so not the flash one (cuDNN excluded here too)
-            with sdpa_kernel(NOT_CUDNN):
-                return self.o_proj(segment_attention(q[0], k[0], v[0], *mask)[None])    # (1, T, C)
         # (B, Hq, T, D); with no mask (no padding) the fused causal kernels apply
         with sdpa_kernel(NOT_CUDNN):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
@@ -133,21 +127,15 @@ class Qwen2ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      recompute_layers: int = 0, packed: Packed | None = None) -> torch.Tensor:
+                      recompute_layers: int = 0) -> torch.Tensor:
         """Final-norm hidden states, (B, T) -> (B, T, C); the trainer applies the LM head in chunks itself.
         attention_mask (B, T): 1 for real tokens, 0 for left padding; a token's position counts the real tokens
-        before it, so a left-padded row computes exactly what it computes alone. packed: rows that share prompts
-        as one sequence (packing.py; input_ids is packed.ids, (1, T)), the training forward's layout.
-        recompute_layers: with gradients on, the first N decoder layers recompute in backward (one tensor kept per
-        layer, not ~20; the same gradients), the others keep their activations."""
+        before it, so a left-padded row computes exactly what it computes alone. recompute_layers: with gradients
+        on, the first N decoder layers recompute in backward (one tensor kept per layer, not ~20; the same
+        gradients), the others keep their activations."""
         B, T = input_ids.shape
         mask = None
-        if packed is not None:
-            positions = packed.positions                                                  # (1, T)
-            mask = (packed.segments, self._packed_bias(packed.segments))
-            for t in (*packed.segments, mask[1]):  # compiled layers: one graph for every packing
-                torch._dynamo.maybe_mark_dynamic(t, list(range(t.dim())))
-        elif attention_mask is None:
+        if attention_mask is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)             # (B, T)
         else:
             real = attention_mask.bool()                                                  # (B, T)
@@ -168,12 +156,6 @@ class Qwen2ForCausalLM(nn.Module):
             torch._dynamo.maybe_mark_dynamic(x, [0, 1])  # each layer's input: a new tensor
             x = layer(x, cos, sin, mask, i < recompute)
         return self.model.norm(x)                                                         # (B, T, C)
-
-    def _packed_bias(self, segments: Segments) -> torch.Tensor:
-        """The packed attention's additive mask, in the dtype attention will run in (autocast's, if on)."""
-        dev = segments.allowed.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.lm_head.weight.dtype
-        return attention_bias(segments, self.config.num_attention_heads // self.config.num_key_value_heads, dtype)
 
     def forward(self, input_ids, attention_mask=None) -> torch.Tensor:
         """(B, T) token ids -> (B, T, V) logits."""

@@ -384,3 +384,25 @@ def test_resume_reads_the_checkpoint_through_host_memory(tmp_path):
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
     assert torch.cuda.max_memory_allocated() - before <= max(sizes) + 2**20 < sum(sizes)
     assert all(torch.equal(v.cpu(), want[k]) for k, v in model.state_dict().items())  # the weights arrived
+
+
+def test_a_rank_may_train_more_than_its_share_of_a_minibatch():
+    # The trainer draws each minibatch from one permutation of every rank's rows (Trainer._minibatches): a rank can
+    # hold more than M / W of its M rows, up to min(M, R). The estimate plans for that share, not M / W.
+    from types import SimpleNamespace
+
+    from minigrpo.rl.trainer import Trainer
+
+    m = tiny_config(n_heads=4, n_kv_heads=2, head_dim=8, vocab=256, layers=2)
+    cfg = TrainConfig(prompts_per_step=8, samples_per_prompt=8, minibatch_size=16, micro_batch_size=16,
+                      max_new_tokens=20)
+    W, N = 2, cfg.rows_per_step
+    R, shares = N // W, []
+    for rank in range(W):
+        for step in range(20):
+            fake = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(world=W), step_idx=step)
+            rows = SimpleNamespace(position={rank * R + r: r for r in range(R)})
+            shares += [len(mine) for _, _, mine, _ in Trainer._minibatches(fake, rows, torch.ones(N, dtype=torch.bool))]
+    assert cfg.rows_per_minibatch // W < max(shares) <= cfg.micro_batch_size
+    two, one = (estimate(m, cfg, prompt_tokens=30, world=w) for w in (W, 1))
+    assert two.update["activations"] == one.update["activations"]  # a whole 16-row micro-batch, as on one rank

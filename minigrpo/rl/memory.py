@@ -115,7 +115,9 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
     P, w = parameter_count(m), 4 if cfg.weights == "fp32" else 2
     amp = cuda and cfg.weights == "fp32"
     a, r = (2 if amp else w), w                      # matmul activations in bf16 under autocast; residual in w
-    rows = cfg.rows_per_minibatch // world           # this rank's rows per optimizer step
+    # the most rows of one rank in a minibatch: one permutation of all ranks' rows draws it (Trainer._minibatches),
+    # so a rank's share can pass M / W, up to all of its own rows
+    rows = min(cfg.rows_per_minibatch, cfg.rows_per_step // world)
     compiled = cfg.compile_policy                    # compiled: one row is padded to two (trainer.py)
     mb = max(2 if compiled else 1, min(cfg.micro_batch_size, rows))
     ms = max(2 if compiled else 1, min(cfg.score_batch_size, cfg.rows_per_step // world))

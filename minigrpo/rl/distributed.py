@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -116,9 +115,6 @@ class _Forward(torch.nn.Module):
 def _fully_shard(module: _Forward, **root) -> _Forward:
     """FSDP2 units: each decoder layer, and the root (embedding, final norm, LM head). Weights keep their dtype
     in the forward (autocast does the rest, as with DDP); gradients are reduced in fp32."""
-    # FSDP2 warns when a wrapped module returns a view, in case the caller modifies it in place, which would
-    # bypass its backward hook. Log-probs come back as views (`.view(n, C)`) and the trainer only reads them.
-    warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(FSDP_Forward\) returned a view", UserWarning)
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     for layer in module.model.model.layers:
         fully_shard(layer, mp_policy=policy)

@@ -17,7 +17,9 @@ Update MFU: model FLOPs over the update's seconds, against 989 TFLOP/s (H200 den
 epoch: 6 x (body parameters x tokens + LM-head parameters x completion tokens) for the weights (the LM
 head runs on completion positions only; body = all but the embedding and the LM head), plus
 3 x 4 x layers x width x sum over rows of T^2 / 2 for causal attention; tokens are the trained rows' real
-ones, no padding, no recompute. `--profile NAME` runs one more step of that variant under the profiler and
+ones, each row with its own prompt, no padding, no recompute. Since the packed forward shares prompts
+(model/packing.py), the update runs fewer FLOPs than that count: its MFU is then an effective one, the rows'
+work over the update's seconds. `--profile NAME` runs one more step of that variant under the profiler and
 reports how much of the update's wall time the GPU was busy, and its largest kernels.
 
 Results: $OUT/speed.json (every step of every variant) and $OUT/speed_NAME.log; the table on stdout.
@@ -128,7 +130,8 @@ def worker(args) -> None:
 
     def spy(*a, **k):  # the trained rows' lengths, for the model FLOPs
         rows = training_rows(*a, **k)
-        lens.update(p=list(rows.batch.prompt_lens), c=list(rows.batch.completion_lens))
+        prompt_lens = getattr(rows.batch, "prompt_lens", None) or [len(p) for p in rows.batch.prompts]  # packed
+        lens.update(p=list(prompt_lens), c=list(rows.batch.completion_lens))
         return rows
 
     trainer._training_rows = spy

@@ -4,7 +4,6 @@ import copy
 import json
 import math
 from dataclasses import replace
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -83,11 +82,11 @@ class ScriptedBackend:
 
 
 def _count_forward_rows(model):
-    """Wrap model.hidden_states to record the number of rows of every call."""
+    """Wrap model.hidden_states to record the number of rows packed in every call."""
     rows, inner = [], model.hidden_states
 
     def counted(ids, *args, **kwargs):
-        rows.append(ids.shape[0])
+        rows.append(len(kwargs["packed"].starts))
         return inner(ids, *args, **kwargs)
 
     model.hidden_states = counted
@@ -109,30 +108,6 @@ def _capture_gradients(trainer) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------ sequence layout
 
 
-def test_sequence_batch_layout_hand_made():
-    batch = SequenceBatch.build([[1, 2], [3]], [[4, STOP], [5, 6, 7]], pad_id=PAD, device="cpu")
-    # rows start at column 0, padding only at the end; T = max(prompt + completion) = 4, rounded up to a multiple
-    # of 8 (one compiled layer graph for every width); C = 3
-    P4 = [PAD] * 4
-    assert batch.ids.tolist() == [[1, 2, 4, STOP] + P4, [3, 5, 6, 7] + P4]
-    assert batch.mask.tolist() == [[1, 1, 0], [1, 1, 1]]  # stop kept, padding dropped; no stop: all ones
-    # completion token j of row i is scored at column prompt_len - 1 + j; only real completion tokens are listed
-    assert batch.scored.tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 1, 2], [1, 2, 0, 1, 2]]
-    assert batch.ids[batch.scored[0], batch.scored[2] + 1].tolist() == [4, STOP, 5, 6, 7]
-    sub = batch.select([0])  # row 0 alone: C = 2, T = 8
-    assert sub.ids.tolist() == [[1, 2, 4, STOP] + P4] and sub.C == 2 and sub.mask.tolist() == [[1, 1]]
-    sub = batch.select([1])
-    assert sub.ids.tolist() == [[3, 5, 6, 7] + P4] and sub.scored[2].tolist() == [0, 1, 2]
-    # padded with empty rows (a compiled policy's single row): mask 0, never more rows than asked for
-    sub = batch.select([1], n_rows=3)
-    assert sub.ids.tolist() == [[3, 5, 6, 7] + P4, [0] * 8, [0] * 8]
-    assert sub.mask.tolist() == [[1, 1, 1], [0, 0, 0], [0, 0, 0]] and sub.prompt_lens == [1, 1, 1]
-    assert sub.scored.tolist() == [[0, 0, 0], [0, 1, 2], [0, 1, 2]]  # the empty rows hold nothing to score
-    assert len(batch.select([0, 1], n_rows=1).prompt_lens) == 2
-    wide = SequenceBatch.build([[1] * 9], [[2] * 8], pad_id=PAD, device="cpu")  # 17 columns -> 24
-    assert wide.ids.shape == (1, 24) and wide.select([0]).ids.shape == (1, 24)
-
-
 @pytest.mark.parametrize(
     "row, expected",
     [
@@ -149,18 +124,6 @@ def test_loss_mask_ends_at_the_first_stop(row, expected):
     rollout, _ = Stops((STOP, 8)).cut(Rollout([row, [5] * 4], [[0.0] * len(row), [0.0] * 4]))
     mask = SequenceBatch.build([[1], [1]], rollout.tokens, pad_id=PAD, device="cpu").mask
     assert mask.dtype == torch.float32 and mask[0].tolist() == expected
-
-
-def test_sequence_batch_scores_the_next_token():
-    # A "model" whose hidden state at column t is one-hot of the token at t+1 puts almost all its mass on the
-    # right next token iff the offsets are right, in every row, whatever its prompt length. Past a row's
-    # completion nothing is scored: exactly 0 there.
-    batch = SequenceBatch.build([[3, 1, 4], [1], [5, 9]], [[1, 5], [2, 6, 5], [3]], pad_id=0, device="cpu")
-    nxt = torch.nn.functional.one_hot(torch.roll(batch.ids, -1, dims=1), 10).float()  # (n, T, 10)
-    model = SimpleNamespace(hidden_states=lambda ids, **kw: nxt, lm_head=SimpleNamespace(weight=10 * torch.eye(10)))
-    logp = completion_logprobs(model, batch, temperature=1.0)
-    assert ((logp > -1e-3) | (batch.mask == 0)).all() and batch.mask.sum().item() == 6
-    assert (logp[batch.mask == 0] == 0).all()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -227,25 +190,23 @@ def test_only_informative_groups_are_forwarded_and_the_gradient_is_the_full_batc
         torch.testing.assert_close(grads[name], want, atol=1e-6, rtol=1e-4, msg=name)
 
 
-def test_micro_batches_group_rows_of_about_one_length(tmp_path):
-    # 8 informative rows of total lengths 8, 7, 6, 5, 4, 4, 3, 2 in micro-batches of 2: sorted, each pair pads
-    # to its longer row (8, 6, 4, 3 real columns); in the shuffled order they would reach 8, 3, 5, 7. Every
-    # width is then rounded up to 8 columns (SequenceBatch), so the recorded width is the longest row's tokens.
+def test_micro_batches_take_a_prompts_rows_together(tmp_path):
+    # 8 informative rows of 2 prompts in micro-batches of 2. The minibatch's shuffled order would mix the prompts
+    # (a micro-batch packs a copy of each prompt it holds); in row order each micro-batch holds one prompt's rows.
     # The gradient stays the full minibatch's (the test above); here only the grouping.
     model = random_model(tiny_config(tied=False, vocab=32), seed=3, std=0.1).train()
     script = {4: [[10], [11, STOP], [10, 13, 14, 15, STOP], [12, 13, 14, 15, 16, STOP]],
               6: [[13], [10, 10, STOP], [14, 15, 16, STOP], [10, 16, 17, 18, STOP]]}
     trainer, _ = _trainer(model, script, [[4, 5], [6]], tmp_path, micro_batch_size=2)
-    widths, inner = [], model.hidden_states
+    packed, inner = [], model.hidden_states
 
-    def record(ids, *args, **kwargs):
-        assert ids.shape[1] % 8 == 0
-        widths.append(int((ids != PAD).sum(1).max()))
+    def record(ids, *args, packed_rows=packed, **kwargs):
+        packed_rows.append(sorted(set(kwargs["packed"].prompt_ends)))
         return inner(ids, *args, **kwargs)
 
     model.hidden_states = record
     trainer.step()
-    assert widths == [8, 6, 4, 3]
+    assert [len(ends) for ends in packed] == [1, 1, 1, 1]  # one prompt copy in each of the 4 micro-batches
 
 
 def _rescored(trainer) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""The Qwen2 / Qwen2.5 decoder: the reference forward over full (optionally left-padded) sequences.
+"""The Qwen2 / Qwen2.5 decoder: the reference forward over full (optionally left-padded) sequences, or over
+rows packed with one copy of each prompt (packing.py), the trainer's layout.
 
 The model the trainer differentiates, and the yardstick the rollout engine is checked against: plain code,
-SDPA attention with an explicit mask, no KV cache. Parameter names are Hugging Face's, so a state dict
+SDPA attention, no KV cache. Parameter names are Hugging Face's, so a state dict
 moves between this model, safetensors files and transformers with no rename table. Numerics follow HF op for op.
 
 Shape legend: B batch, T sequence length, C hidden, Hq query heads, Hkv kv heads, D head dim, F MLP width, V vocabulary.
@@ -16,6 +17,7 @@ import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minigrpo.model.config import ModelConfig
+from minigrpo.model.packing import Packed, row_attention
 
 # SDPA's kernels less cuDNN's, which builds an execution plan for each new shape on the host (bench/NOTES.md)
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -64,12 +66,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(Hq * D, C, bias=False)
 
     def forward(self, x, cos, sin, mask):
+        """mask: None (causal), a boolean mask (B, 1, T, T), or the Rows of a packing (B = 1)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, Hq, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         cos, sin = cos[:, None], sin[:, None]                                           # (B, 1, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(mask, tuple):  # packed
+            with sdpa_kernel(NOT_CUDNN):
+                return self.o_proj(row_attention(q[0], k[0], v[0], mask)[None])         # (1, T, C)
         # (B, Hq, T, D); with no mask (no padding) the fused causal kernels apply
         with sdpa_kernel(NOT_CUDNN):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
@@ -127,15 +133,21 @@ class Qwen2ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      recompute_layers: int = 0) -> torch.Tensor:
+                      recompute_layers: int = 0, packed: Packed | None = None) -> torch.Tensor:
         """Final-norm hidden states, (B, T) -> (B, T, C); the trainer applies the LM head in chunks itself.
         attention_mask (B, T): 1 for real tokens, 0 for left padding; a token's position counts the real tokens
-        before it, so a left-padded row computes exactly what it computes alone. recompute_layers: with gradients
-        on, the first N decoder layers recompute in backward (one tensor kept per layer, not ~20; the same
-        gradients), the others keep their activations."""
+        before it, so a left-padded row computes exactly what it computes alone. packed: rows that share prompts
+        as one sequence (packing.py; input_ids is packed.ids, (1, T)), the training forward's layout.
+        recompute_layers: with gradients on, the first N decoder layers recompute in backward (one tensor kept per
+        layer, not ~20; the same gradients), the others keep their activations."""
         B, T = input_ids.shape
         mask = None
-        if attention_mask is None:
+        if packed is not None:
+            positions = packed.positions                                                  # (1, T)
+            mask = packed.rows
+            for t in mask:  # compiled layers: one graph for every packing
+                torch._dynamo.maybe_mark_dynamic(t, list(range(t.dim())))
+        elif attention_mask is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)             # (B, T)
         else:
             real = attention_mask.bool()                                                  # (B, T)

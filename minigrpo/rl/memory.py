@@ -18,8 +18,9 @@ resident (held from the first step on):
 update (one micro-batch's forward and backward, the optimizer step's gradients):
   gradients         P x 4 (fp32); bf16: P x 2, or P x 4 while 3+ micro-batches are summed in fp32 (GradSync)
   ddp_buckets       with W > 1, DDP's flat gradient buckets: another P x gradient size
-  activations       saved for the backward (_layer_bytes); a checkpointed layer only its input; + one layer of
-                    backward work (with every layer checkpointed: + the one recomputed, too)
+  activations       saved for the backward (_layer_bytes) by a micro-batch packed as the trainer packs it (its
+                    rows' distinct prompts once: model/packing.py); a checkpointed layer only its input; + one
+                    layer of backward work (with every layer checkpointed: + the one recomputed, too)
   lm_head           the log-probs' logits block and temporaries, the hidden states and their gradient, and
                     the head's weight gradient, whole before it is added to the weight's .grad
   optimizer_step    bf16 weights: StochasticAdamW's piece of concatenated small parameters (w, g, m, v; optim.py),
@@ -32,7 +33,7 @@ with bf16 weights and several micro-batches, their whole fp32 sum), fsdp_gathere
 two layers gathered whole, and there are no DDP buckets.
 
 Shape legend: P parameters, V vocabulary, C hidden size, F MLP width, Hq query heads, Hkv kv heads, D head dim,
-L layers, W ranks, T training columns (prompt + completion), a / r bytes per activation / residual element.
+L layers, W ranks, a / r bytes per activation / residual element.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ from minigrpo.model.config import ModelConfig
 from minigrpo.rl.config import TrainConfig
 from minigrpo.rl.optim import CHUNK
 
-# An eager layer also keeps the elementwise intermediates (fp32 norms, autocast's casts, RoPE's halves, SwiGLU's
-# activation): 1.5x to 1.65x the compiled layer, counted op by op (measured 1.55x: bench/NOTES.md).
+# An eager layer also keeps the elementwise intermediates (fp32 norms, autocast's casts, SwiGLU's activation): 1.5x
+# to 1.65x the compiled layer's per-token bytes, counted op by op (measured 1.55x before packing: bench/NOTES.md).
 # The estimate is an upper bound, so it takes the top of that range with a margin.
 EAGER_FACTOR = 1.75
 # Per (token, vocabulary) element of an LM-head block at its peak: chunked, fp32 logits and one fp32 temporary;
@@ -76,13 +77,28 @@ def parameter_count(m: ModelConfig) -> int:
     return m.vocab_size * C * (1 if m.tie_word_embeddings else 2) + m.num_hidden_layers * layer + C
 
 
-def _layer_bytes(m: ModelConfig, a: int, r: int) -> int:
-    """Bytes per token a compiled decoder layer keeps for its backward (Inductor recomputes the elementwise
-    ops and keeps the inputs of matmuls and attention): its input and the mid-layer residual (each norm's
-    backward reads them) 2rC; the two normed matmul inputs 2aC; q, k, v after RoPE a(C + 2KD); attention's
-    output aC and its log-sum-exp 4H; gate, up and their SwiGLU product 3aF."""
-    C, KD = m.hidden_size, m.num_key_value_heads * m.head_dim
-    return 2 * r * C + a * (4 * C + 2 * KD + 3 * m.intermediate_size) + 4 * m.num_attention_heads
+@dataclass(frozen=True)
+class _Packing:
+    """The largest packed micro-batch of `rows` rows from `prompts` distinct prompts (model/packing.py)."""
+    tokens: int   # each prompt once, every completion, the padding to a multiple of 8
+    slots: int    # attention's row slots: rows (+ the padding's) x the longest row
+
+    @classmethod
+    def of(cls, rows: int, prompts: int, prompt_tokens: int, new_tokens: int) -> _Packing:
+        longest = -(-(prompt_tokens + new_tokens) // 8) * 8
+        return cls(prompts * prompt_tokens + rows * new_tokens + 7, (rows + 1) * longest)
+
+
+def _layer_bytes(m: ModelConfig, a: int, r: int, p: _Packing, eager: bool = False) -> int:
+    """Bytes a compiled decoder layer keeps for its backward over packing p (Inductor recomputes the elementwise
+    ops and keeps the inputs of matmuls and attention). Per token: its input and the mid-layer residual (each
+    norm's backward reads them) 2rC; the two normed matmul inputs 2aC; the attention output read back from its
+    row aC; gate, up and their SwiGLU product 3aF; eager, EAGER_FACTOR times that (the elementwise
+    intermediates are per token). Per row slot of attention (packing.row_attention): q, k, v a(C + 2KD), the
+    output aC, its log-sum-exp 4H."""
+    C, KD, H = m.hidden_size, m.num_key_value_heads * m.head_dim, m.num_attention_heads
+    per_token = (2 * r * C + a * (3 * C + 3 * m.intermediate_size)) * (EAGER_FACTOR if eager else 1)
+    return int(p.tokens * per_token + p.slots * (a * (2 * C + 2 * KD) + 4 * H))
 
 
 def _engine(m: ModelConfig, engine: EngineConfig, P: int, prompts: int, prompt_tokens: int, e: int,
@@ -118,10 +134,10 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
     # the most rows of one rank in a minibatch: one permutation of all ranks' rows draws it (Trainer._minibatches),
     # so a rank's share can pass M / W, up to all of its own rows
     rows = min(cfg.rows_per_minibatch, cfg.rows_per_step // world)
-    compiled = cfg.compile_policy                    # compiled: one row is padded to two (trainer.py)
-    mb = max(2 if compiled else 1, min(cfg.micro_batch_size, rows))
-    ms = max(2 if compiled else 1, min(cfg.score_batch_size, cfg.rows_per_step // world))
-    T = prompt_tokens + cfg.max_new_tokens
+    prompts = max(1, cfg.prompts_per_step // world)  # ... and its prompts: a micro-batch packs at most these
+    mb, ms = min(cfg.micro_batch_size, rows), min(cfg.score_batch_size, cfg.rows_per_step // world)
+    packing = _Packing.of(mb, min(mb, prompts), prompt_tokens, cfg.max_new_tokens)
+    scoring_packing = _Packing.of(ms, min(ms, prompts), prompt_tokens, cfg.max_new_tokens)
 
     fsdp = cfg.parallel == "fsdp" and world > 1
     micro_batches = -(-rows // cfg.micro_batch_size)
@@ -142,18 +158,17 @@ def estimate(m: ModelConfig, cfg: TrainConfig, *, prompt_tokens: int, engine: En
         resident.update(_engine(m, engine, P, max(1, cfg.prompts_per_step // world), prompt_tokens, e, free,
                                 shared=e == w and not fsdp))
 
-    layer = _layer_bytes(m, a, r) * (1 if compiled else EAGER_FACTOR) * mb * T          # one layer's batch
+    layer = _layer_bytes(m, a, r, packing, eager=not cfg.compile_policy)                   # one layer's batch
     # The recomputed layers keep their inputs, the others all they save, and the backward works on one layer more:
     # the top layer's gradients at first, later a recomputed layer's, once the kept layers are freed (hence >= 2).
     Lr = cfg.recomputed_layers(L)
-    kept = Lr * mb * T * r * C + max(L - Lr + 1, 2) * layer
+    kept = Lr * packing.tokens * r * C + max(L - Lr + 1, 2) * layer
     scored = mb * cfg.max_new_tokens                                                      # log-probs taken
     update = {"gradients": gradients, "ddp_buckets": P * w if world > 1 and not fsdp else 0, "activations": int(kept),
               "lm_head": _logits(cfg, scored, V) + scored * C * (a + 4) + V * C * w}  # hidden states, fp32 grads
     piece = 4 * 2 * min(CHUNK, P // world) if w == 2 else 0
     update["optimizer_step"] = max(0, piece - update["activations"] - update["lm_head"])
-    KD = m.num_key_value_heads * m.head_dim
-    scoring = (ms * T * (2 * r * C + a * (2 * C + 2 * KD + 3 * m.intermediate_size))     # one layer, no grad
+    scoring = (_layer_bytes(m, a, r, scoring_packing)                                       # one layer, no grad
                + _logits(cfg, ms * cfg.max_new_tokens, V) + (reference if cfg.offload_reference else 0))
     return MemoryEstimate(resident, update, scoring)
 

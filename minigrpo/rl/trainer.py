@@ -15,8 +15,8 @@ The LR is a function of the step number; every random number derives from (seed,
 torchrun each rank rolls out its block of the prompts; DDP or FSDP keep the single-process math (distributed.py).
 
 Shape legend: B prompts per step, G samples per prompt, N = B*G rows, R = N/W rows of each of W ranks,
-n kept rows (of this rank), C completion length; m rows of a micro-batch, T' and C' its total and completion
-lengths (trimmed to its longest row).
+n kept rows (of this rank), C completion length; m rows of a micro-batch, C' its completion length (trimmed to
+its longest row).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ LAYER_OPTIONS = {f"triton.{_NON_STRICT}": True} if hasattr(torch._inductor.confi
 @dataclass
 class _Rows:
     """This rank's n rows to train, and what the update needs of each."""
-    batch: SequenceBatch              # prompt + completion tokens, right-padded (n, T)
+    batch: SequenceBatch              # prompt + completion tokens of n rows
     adv: torch.Tensor                 # advantages (n,)
     rollout_logp: torch.Tensor        # the sampler's log-probs of the completion tokens (n, C)
     position: dict[int, int]          # global rollout row -> row of `batch`; empty for a stand-in row
@@ -232,10 +232,10 @@ class Trainer:
             old_logp, entropy = torch.zeros_like(rows.rollout_logp), torch.zeros_like(rows.rollout_logp)
         sums = UpdateSums(self.device)
         for k, epoch, minibatch, count in self._minibatches(rows, train_all):  # _optimizer_step leaves no gradient
-            for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch, count, rows.batch)):
-                mb, idx = self._select(rows.batch, micro)                                      # (m, T'), (m,)
+            for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch, count)):
+                mb, idx = rows.batch.select(micro), torch.tensor(micro, device=self.device)  # m rows, (m,)
                 with self.policy.accumulate(u == 0, last):  # the last backward reduces (DDP / FSDP)
-                    logp = self._forward(mb, idx, len(micro), old_logp, entropy, fill and epoch == 0 and weight > 0)
+                    logp = self._forward(mb, idx, old_logp, entropy, fill and epoch == 0 and weight > 0)
                     if weight and not fill and not sums.norms:  # no optimizer step yet: the old policy, scored twice
                         sums.add_old_gap(logp, old_logp[idx, :mb.C], mb.mask)
                     loss, stats = self._loss(logp, mb.mask, idx, rows, old_logp, ref_logp)
@@ -245,14 +245,13 @@ class Trainer:
             sums.norms.append(self._optimizer_step(k))
         return sums.metrics(self.dist, with_kl=ref_logp is not None, with_old_gap=not fill), old_logp, entropy
 
-    def _forward(self, mb: SequenceBatch, idx, n: int, old_logp, entropy, fill: bool) -> torch.Tensor:
-        """The policy's log-probs of micro-batch `mb` (m, C'), rows idx, the first n of them real. fill: this forward
-        is the old policy's (first epoch, no optimizer step yet), so it also writes those rows' old_logp and
-        entropy."""
+    def _forward(self, mb: SequenceBatch, idx, old_logp, entropy, fill: bool) -> torch.Tensor:
+        """The policy's log-probs of micro-batch `mb` (m, C'), rows idx. fill: this forward is the old policy's
+        (first epoch, no optimizer step yet), so it also writes those rows' old_logp and entropy."""
         if not fill:
             return self.policy(mb)
         logp, ent = self.policy(mb, True)                                                      # (m, C') each
-        old_logp[idx[:n], :mb.C], entropy[idx[:n], :mb.C] = logp[:n].detach(), ent[:n]
+        old_logp[idx, :mb.C], entropy[idx, :mb.C] = logp.detach(), ent
         return logp
 
     def _loss(self, logp, mask, idx, rows: _Rows, old_logp, ref_logp):
@@ -283,21 +282,16 @@ class Trainer:
                     most = max(sum(r // R == q for r in drawn) for q in range(W))  # rows of the fullest rank
                     yield epoch * (N // M) + start // M, epoch, mine, -(-most // cfg.micro_batch_size)
 
-    def _micro_batches(self, minibatch: list[int], count: int, batch: SequenceBatch):
-        """(rows, last, loss weight) of each of `count` micro-batches, longest rows first so that little is padded
-        (each loss is normalised by the whole minibatch: the grouping leaves the gradient as it is). Past its
-        own rows a rank backwards a stand-in row at weight 0: every rank makes the same backwards."""
+    def _micro_batches(self, minibatch: list[int], count: int):
+        """(rows, last, loss weight) of each of `count` micro-batches, in row order: a prompt's rows are
+        neighbours, so a micro-batch packs few distinct prompts (each loss is normalised by the whole
+        minibatch: the grouping leaves the gradient as it is). Past its own rows a rank backwards a stand-in row at
+        weight 0: every rank makes the same backwards."""
         size = self.cfg.micro_batch_size
-        minibatch = sorted(minibatch, key=lambda r: -(batch.prompt_lens[r] + batch.completion_lens[r]))
+        minibatch = sorted(minibatch)
         for u in range(count):
             sub = minibatch[u * size:(u + 1) * size]
             yield sub or [0], u == count - 1, self.policy.loss_scale if sub else 0.0
-
-    def _select(self, batch: SequenceBatch, rows: list[int]) -> tuple[SequenceBatch, torch.Tensor]:
-        """`rows` of `batch`, and their index into the per-row tensors (m,). A compiled policy pads one row to two
-        (mask 0): Dynamo specialises a dimension of size 1, which would compile a graph of its own."""
-        mb = batch.select(rows, n_rows=2 if self.cfg.compile_policy else 0)
-        return mb, torch.tensor(rows + rows[:1] * (len(mb.prompt_lens) - len(rows)), device=self.device)
 
     def _optimizer_step(self, k: int) -> torch.Tensor | None:
         """Clip the gradient and take the update's k-th optimizer step. Returns the pre-clip gradient norm, or None
@@ -332,13 +326,13 @@ class Trainer:
     def _score(self, forward, batch: SequenceBatch, most: int = 0, return_entropy: bool = False):
         """Log-probs and entropy (or None) (n, C) of every row of `batch` under `forward`, no grad, in as many
         micro-batches as `most` rows need (the most of any rank): past n, on stand-ins."""
-        n, size = len(batch.prompt_lens), self.cfg.score_batch_size
+        n, size = len(batch.prompts), self.cfg.score_batch_size
         out = torch.zeros((1 + return_entropy, n, batch.C), dtype=torch.float32, device=self.device)  # logp [, entropy]
         for s in range(0, max(n, most), size):
             rows = list(range(s, min(s + size, n)))
-            mb, _ = self._select(batch, rows or [0])
+            mb = batch.select(rows or [0])
             scores = forward(mb, return_entropy)
-            scores = torch.stack(scores if return_entropy else [scores])[:, :len(rows)]  # padding, stand-ins dropped
+            scores = torch.stack(scores if return_entropy else [scores])[:, :len(rows)]  # a stand-in dropped
             out[:, s:s + len(rows), :mb.C] = scores
         return out[0], out[1] if return_entropy else None
 

@@ -18,6 +18,7 @@ multiple of 8, D head dim.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -49,39 +50,47 @@ def pack(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int,
     """Row i is prompts[i] + completions[i]; rows with equal prompts share one copy of it. Every prompt holds a
     token. Tokens of pad_id fill T up to a multiple of 8, as a row of their own; a single row gets 8 of them, so
     that attention never sees one row (Dynamo would specialise that size: a graph more)."""
-    ids, positions, rows, slots = [], [], [], []   # rows: each row's packed indices; slots: (row, column) per token
-    first, ends, starts = {}, [], []               # first: prompt -> start of its one copy
+    ids, first = [], {}                      # first: prompt -> packed index of its one copy
+    lens, prompt_at, starts, holds = [], [], [], []  # per row: (prompt, completion) lengths; packed index of its
+                                                     # prompt, of its completion; whether its slots hold the prompt
 
-    def add(tokens: list[int], position: int) -> list[int]:
-        at = list(range(len(ids), len(ids) + len(tokens)))
-        slots.extend((len(rows), position + t) for t in range(len(tokens)))
-        ids.extend(tokens)
-        positions.extend(range(position, position + len(tokens)))
-        return at
+    def add(prompt: list[int], completion: list[int]) -> None:
+        holds.append(tuple(prompt) not in first)  # the prompt's first row holds it
+        if holds[-1]:
+            first[tuple(prompt)] = len(ids)
+            ids.extend(prompt)
+        lens.append((len(prompt), len(completion)))
+        prompt_at.append(first[tuple(prompt)])
+        starts.append(len(ids))
+        ids.extend(completion)
 
     for p, c in zip(prompts, completions):
-        if tuple(p) not in first:
-            first[tuple(p)] = add(p, 0)
-        prompt_at = first[tuple(p)]
-        ends.append(prompt_at[-1])
-        starts.append(len(ids))
-        rows.append(prompt_at + add(c, len(p)))
-    if len(ids) % 8 or len(rows) == 1:
-        rows.append(add([pad_id] * (-len(ids) % 8 or 8), 0))
-    tokens, flat = _rows(rows, slots, len(ids))
-    as_row = lambda x: torch.tensor(x, dtype=torch.long)[None].to(device)  # noqa: E731
-    return Packed(as_row(ids), as_row(positions), Rows(tokens.to(device), flat.to(device)), ends, starts)
+        add(p, c)
+    ends = [at + n - 1 for at, (n, _) in zip(prompt_at, lens)]
+    pad = -len(ids) % 8 or (8 if len(lens) == 1 else 0)
+    if pad:
+        add([], [pad_id] * pad)
+    tokens, slots = _rows(*map(torch.tensor, (lens, prompt_at, starts, holds)), T=len(ids))
+    as_row = lambda x: x[None].to(device)  # noqa: E731
+    return Packed(as_row(torch.frombuffer(array("q", ids), dtype=torch.long)),  # 10x faster than torch.tensor(ids)
+                  as_row(slots % tokens.shape[1]), Rows(tokens.to(device), slots.to(device)), ends, starts[:len(ends)])
 
 
-def _rows(rows: list[list[int]], slots: list[tuple[int, int]], T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, L) packed indices of the rows, right-padded with indices spread over the T tokens, and (T,) the flat
-    slot of each token."""
-    L = _aligned(max(map(len, rows)))
-    tokens = (torch.arange(len(rows) * L) % T).view(len(rows), L)
-    for r, row in enumerate(rows):
-        tokens[r, :len(row)] = torch.tensor(row, dtype=torch.long)
-    flat = torch.tensor([r * L + t for r, t in slots], dtype=torch.long)
-    return tokens, flat
+def _rows(lens: torch.Tensor, prompt_at: torch.Tensor, starts: torch.Tensor, holds: torch.Tensor, T: int):
+    """The rows' packed indices (n, L), right-padded with indices spread over the T tokens, and each token's flat
+    slot r * L + t (T,) in the one row that holds it: a prompt's first row, a completion's own. Its column t there
+    is its RoPE position. lens (n, 2): prompt and completion lengths; the others (n,)."""
+    P, n = lens[:, :1], len(lens)                                                   # (n, 1)
+    L = _aligned(int(lens.sum(1).max()))
+    col = torch.arange(L)                                                           # (L,)
+    in_prompt, real = col < P, col < lens.sum(1, keepdim=True)                      # (n, L) each
+    index = torch.where(in_prompt, prompt_at[:, None] + col, starts[:, None] + col - P)
+    flat = torch.arange(n * L).view(n, L)
+    tokens = torch.where(real, index, flat % T)                                     # (n, L)
+    held = real & (holds[:, None] | ~in_prompt)                                     # each token in one row
+    slots = torch.empty(T, dtype=torch.long)
+    slots[tokens[held]] = flat[held]                                                # (T,)
+    return tokens, slots
 
 
 def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:

@@ -79,6 +79,12 @@ class TrainConfig:
         return self.minibatch_size or self.rows_per_step
 
     def __post_init__(self):
+        self._check_ranges()
+        self._check_optimizer()
+        self._check_combinations()
+
+    def _check_ranges(self) -> None:
+        """Each setting alone: finite, in its range, one of its choices."""
         for f in fields(self):  # argparse's float() takes "inf" and "nan"
             value = getattr(self, f.name)
             values = value if isinstance(value, tuple) else (value,)
@@ -97,9 +103,6 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1 (or unset), got {getattr(self, name)}")
         if not 0 <= self.min_lr_ratio <= 1:  # below 0 the cosine schedule's LR turns negative: gradient ascent
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.min_lr_ratio and self.lr_schedule != "cosine":
-            raise ValueError(f"min_lr_ratio {self.min_lr_ratio} is the cosine schedule's floor, and lr_schedule is "
-                             f"{self.lr_schedule!r}: add lr_schedule cosine, or drop min_lr_ratio")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if not 0 <= self.seed < 2 ** 63:  # an int64, as torch.Generator.manual_seed takes it
@@ -107,9 +110,6 @@ class TrainConfig:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        rows = self.rows_per_step
-        if self.minibatch_size and rows % self.minibatch_size:
-            raise ValueError(f"minibatch_size {self.minibatch_size} must divide the B*G = {rows} rows of a step")
         if self.samples_per_prompt < 2:
             raise ValueError("samples_per_prompt must be >= 2: a group of one always has zero advantage")
         if not 0.0 < self.temperature:
@@ -118,6 +118,13 @@ class TrainConfig:
             raise ValueError(f"tis_cap must be >= 1 (a weight of 1 is on-policy), got {self.tis_cap}")
         if not 0.0 < self.eps < 1.0 or (self.eps_high is not None and self.eps_high <= 0):
             raise ValueError(f"need 0 < eps < 1 and eps_high > 0, got eps={self.eps}, eps_high={self.eps_high}")
+
+    def _check_optimizer(self) -> None:
+        """The learning rate, its schedule and weight decay: values that would erase the model, or that bf16
+        weights cannot carry."""
+        if self.min_lr_ratio and self.lr_schedule != "cosine":
+            raise ValueError(f"min_lr_ratio {self.min_lr_ratio} is the cosine schedule's floor, and lr_schedule is "
+                             f"{self.lr_schedule!r}: add lr_schedule cosine, or drop min_lr_ratio")
         if not 0 < self.lr < 1:  # AdamW moves every weight by up to ~lr per step: 1 erases a model at once
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")
         if self.lr * self.weight_decay >= 1:  # AdamW multiplies every weight by 1 - lr x weight_decay
@@ -131,6 +138,12 @@ class TrainConfig:
                              f"{lr * self.weight_decay:.1e} per step, below the {MIN_BF16_DECAY:.0e} that their "
                              f"fp32 update and 16-bit stochastic rounding carry (it would be lost, wholly or in part): "
                              f"use weights fp32, or weight_decay 0 or >= {MIN_BF16_DECAY / lr:g}")
+
+    def _check_combinations(self) -> None:
+        """Settings that depend on one another."""
+        if self.minibatch_size and self.rows_per_step % self.minibatch_size:
+            raise ValueError(f"minibatch_size {self.minibatch_size} must divide the B*G = {self.rows_per_step} rows "
+                             f"of a step")
         if self.recompute_layers is not None and (self.recompute_layers < 0 or not self.activation_checkpointing):
             raise ValueError(f"recompute_layers {self.recompute_layers} needs activation_checkpointing, and must be "
                              f">= 0 (it counts the decoder layers that recompute)")

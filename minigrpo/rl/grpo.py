@@ -51,6 +51,21 @@ def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap
     return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()
 
 
+def _check_inputs(logp, old_logp, adv, mask, ref_logp, is_weight, max_new_tokens: int, beta: float) -> None:
+    """dr_grpo_loss's inputs as its docstring gives them: a wrong shape would broadcast into a wrong loss."""
+    N, C = logp.shape
+    for name, t in (("logp", logp), ("old_logp", old_logp), ("ref_logp", ref_logp), ("is_weight", is_weight)):
+        if t is not None and (t.shape != (N, C) or t.dtype != torch.float32):
+            raise ValueError(f"{name} must be fp32 of shape {(N, C)}, got {t.dtype} {tuple(t.shape)}")
+    for name, t, shape in (("adv", adv, (N,)), ("mask", mask, (N, C))):
+        if t.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if max_new_tokens < C:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is smaller than the completion length C={C}")
+    if beta > 0 and ref_logp is None:
+        raise ValueError(f"beta={beta} > 0 needs ref_logp (the reference policy's log-probs)")
+
+
 def dr_grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
                  eps_low: float, eps_high: float | None = None, ref_logp: torch.Tensor | None = None,
                  beta: float = 0.0, max_new_tokens: int, num_sequences: int | None = None,
@@ -70,19 +85,9 @@ def dr_grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, 
 
     Returns (loss, stats), stats 0-d detached tensors: clip_frac (masked tokens where the clip is active on
     the side the sign of A makes binding: zero gradient), kl (mean k3 KL when ref_logp is given, else 0)."""
-    N, C = logp.shape
-    for name, t in (("logp", logp), ("old_logp", old_logp), ("ref_logp", ref_logp), ("is_weight", is_weight)):
-        if t is not None and (t.shape != (N, C) or t.dtype != torch.float32):
-            raise ValueError(f"{name} must be fp32 of shape {(N, C)}, got {t.dtype} {tuple(t.shape)}")
-    for name, t, shape in (("adv", adv, (N,)), ("mask", mask, (N, C))):
-        if t.shape != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if max_new_tokens < C:
-        raise ValueError(f"max_new_tokens={max_new_tokens} is smaller than the completion length C={C}")
+    _check_inputs(logp, old_logp, adv, mask, ref_logp, is_weight, max_new_tokens, beta)
     eps_high = eps_low if eps_high is None else eps_high
-    if beta > 0 and ref_logp is None:
-        raise ValueError(f"beta={beta} > 0 needs ref_logp (the reference policy's log-probs)")
-    num_sequences = N if num_sequences is None else num_sequences
+    num_sequences = len(logp) if num_sequences is None else num_sequences
 
     mask = mask.to(logp.dtype)
     A = adv.to(logp.dtype)[:, None]  # (N, 1)

@@ -130,7 +130,7 @@ def worker(args) -> None:
 
     def spy(*a, **k):  # the trained rows' lengths, for the model FLOPs
         rows = training_rows(*a, **k)
-        prompt_lens = getattr(rows.batch, "prompt_lens", None) or [len(p) for p in rows.batch.prompts]  # packed
+        prompt_lens = getattr(rows.batch, "prompt_lens", None) or [len(p) for p in rows.batch.prompts]  # older code
         lens.update(p=list(prompt_lens), c=list(rows.batch.completion_lens))
         return rows
 

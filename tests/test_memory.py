@@ -70,27 +70,27 @@ def test_every_term_by_hand():
         "engine_copy": 26912 * 2 + 2 * 50 * 8 * 4,          # bf16 weights + fp32 cos/sin of 50 positions
         "kv_pool": (1 + 16 * 4) * (2 * 2 * 16 * 2 * 8 * 2),  # scratch + 16 rows x 4 pages; K, V x L x S x K x D x 2
         "engine_workspace": 16 * 256 * (2 + 8) + 4 * 30 * (4 * 32 + 3 * 64) * 2}  # decode logits, a prefill
-    # A micro-batch packs 4 rows of up to 4 distinct prompts (model/packing.py): 4 x 30 + 4 x 20 + 7 (alignment) =
-    # 207 tokens; attention's rows (4 and the padding's) of 56 slots (50 aligned): 280. A layer keeps per token
+    # A micro-batch packs 4 rows of up to 4 distinct prompts (model/packing.py): 4 x 30 + 4 x 20 + 8 (alignment) =
+    # 208 tokens; attention's rows (4 and the padding's) of 56 slots (50 aligned): 280. A layer keeps per token
     # 2 x 4 x 32 (fp32 residuals) + 2 x (3 x 32 + 3 x 64) = 832 bytes, per row slot 2 x (2 x 32 + 2 x 16) + 4 x 4 = 208.
-    layer = 207 * 832 + 280 * 208
+    layer = 208 * 832 + 280 * 208
     assert e.update == {"gradients": 26912 * 4, "ddp_buckets": 0,
                         "activations": 3 * layer,            # L + 1 layers
                         "lm_head": 32 * 256 * 8 + 4 * 20 * 32 * (2 + 4) + 256 * 32 * 4,  # a 32-token chunk;
                         "optimizer_step": 0}                 # 80 hidden states; the head's weight gradient
-    # scoring packs 8 rows of up to 4 prompts: 4 x 30 + 8 x 20 + 7 = 287 tokens, 9 x 56 row slots
-    assert e.scoring == 287 * 832 + 9 * 56 * 208 + 32 * 256 * 8
+    # scoring packs 8 rows of up to 4 prompts: 4 x 30 + 8 x 20 + 8 = 288 tokens, 9 x 56 row slots
+    assert e.scoring == 288 * 832 + 9 * 56 * 208 + 32 * 256 * 8
     assert e.total == sum(e.resident.values()) + sum(e.update.values())
     # bf16 weights, checkpointing, 2 ranks: 8 rows each, 2 micro-batches (one bf16 sum: no fp32 one); DDP's buckets
     lean = replace(cfg, weights="bf16", activation_checkpointing=True)
     e = estimate(m, lean, prompt_tokens=30, engine=EngineConfig(max_batch=8, max_seq_len=50), world=2)
     assert (e.resident["weights"], e.resident["optimizer"], e.resident["weight_casts"]) == (26912 * 2, 26912 * 4, 0)
     assert e.resident["kv_pool"] == (1 + 8 * 4) * 2048
-    # a rank packs 4 rows of its 2 prompts: 2 x 30 + 4 x 20 + 7 = 147 tokens, 280 row slots; a layer keeps
+    # a rank packs 4 rows of its 2 prompts: 2 x 30 + 4 x 20 + 8 = 148 tokens, 280 row slots; a layer keeps
     # 2 x 2 x 32 + 2 x (3 x 32 + 3 x 64) = 704 bytes per token, a recomputed one its input: 2 x 32
-    layer = 147 * 704 + 280 * 208
+    layer = 148 * 704 + 280 * 208
     assert e.update == {"gradients": 26912 * 2, "ddp_buckets": 26912 * 2,
-                        "activations": 2 * 147 * 2 * 32 + 2 * layer,
+                        "activations": 2 * 148 * 2 * 32 + 2 * layer,
                         "lm_head": 32 * 256 * 8 + 4 * 20 * 32 * (2 + 4) + 256 * 32 * 2,
                         "optimizer_step": 0}  # the optimizer's concatenated 4 x 13456 bf16 elements: less
     # 2 new tokens, 1 rank: the optimizer's piece (w, g, m, v of all 26912 parameters) outgrows the backward
@@ -100,7 +100,7 @@ def test_every_term_by_hand():
     # backward work (the top layer's gradients, later the recomputed layer's activations in the freed room)
     e = estimate(m, replace(lean, recompute_layers=1), prompt_tokens=30,
                  engine=EngineConfig(max_batch=8, max_seq_len=50), world=2)
-    assert e.update["activations"] == 147 * 2 * 32 + 2 * layer
+    assert e.update["activations"] == 148 * 2 * 32 + 2 * layer
     # an offloaded reference is on the device for the scoring pass only, not through the update
     base = estimate(m, cfg, prompt_tokens=30)
     off = estimate(m, replace(cfg, offload_reference=True), prompt_tokens=30)
@@ -133,9 +133,9 @@ def test_full_logits_and_eager_layers():
                       logprob_chunk_size=0)
     e = estimate(m, cfg, prompt_tokens=30, cuda=False)  # fp32 on the CPU: 4 bytes everywhere, eager, no engine
     assert e.resident == {"weights": 26912 * 4, "optimizer": 26912 * 8, "reference": 0, "weight_casts": 0}
-    # packed as in test_every_term_by_hand: 207 tokens of 2 x 4 x 32 + 4 x (3 x 32 + 3 x 64) = 1408 bytes, 280 row
+    # packed as in test_every_term_by_hand: 208 tokens of 2 x 4 x 32 + 4 x (3 x 32 + 3 x 64) = 1408 bytes, 280 row
     # slots of 4 x (2 x 32 + 2 x 16) + 4 x 4 = 400
-    layer = int(207 * 1408 * EAGER_FACTOR + 280 * 400)  # eager: more per token (EAGER_FACTOR)
+    layer = int(208 * 1408 * EAGER_FACTOR + 280 * 400)  # eager: more per token (EAGER_FACTOR)
     assert e.update["activations"] == 3 * layer
     assert e.update["lm_head"] == 4 * 20 * 256 * 12 + 4 * 20 * 32 * (4 + 4) + 256 * 32 * 4   # all 80 tokens' logits
 

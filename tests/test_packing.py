@@ -24,6 +24,31 @@ def test_packing_layout_hand_made():
     assert r.slots.tolist() == [0, 1, 2, 3, 10, 16, 17, 18, 19] + list(range(24, 31))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_every_random_packing_lays_out_each_row_whole(seed):
+    # rows drawn with repeated, interleaved and prefix-sharing prompts, empty completions, one row alone
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda n, hi=9: torch.randint(1, hi, (n,), generator=gen).tolist()  # noqa: E731
+    for _ in range(50):
+        shared = [draw(int(draw(1, 6)[0])) for _ in range(3)]
+        shared.append(shared[0] + draw(2))
+        n = int(draw(1, 9)[0])
+        prompts = [shared[i - 1] for i in draw(n, 5)]
+        completions = [draw(int(k) - 1) for k in draw(n, 6)]
+        p = pack(prompts, completions, pad_id=PAD, device="cpu")
+        T, (n_rows, L) = p.ids.shape[1], p.rows.tokens.shape
+        real = sum(map(len, completions)) + sum(len(q) for q in {tuple(q) for q in prompts})
+        assert T % 8 == 0 and 0 <= T - real <= 8 and L % 8 == 0
+        assert n_rows == n + (T > real) and (n > 1 or T > real)  # padding: a row of its own, always for one row
+        assert torch.equal(p.rows.tokens.flatten()[p.rows.slots], torch.arange(T))  # each token in one slot
+        for i, (q, c) in enumerate(zip(prompts, completions)):
+            at = p.rows.tokens[i, :len(q) + len(c)]
+            assert p.ids[0, at].tolist() == q + c and p.positions[0, at].tolist() == list(range(len(q) + len(c)))
+            assert p.ids[0, p.prompt_ends[i]] == q[-1] and (not c or p.starts[i] == at[len(q)])
+    with pytest.raises(ValueError, match="every prompt must hold a token"):
+        pack([[1], []], [[2], [3]], pad_id=PAD, device="cpu")
+
+
 def test_sequence_batch_scores_each_token_from_the_state_before_it_in_its_row():
     batch = SequenceBatch.build([[1, 2], [1, 2], [3]], [[4, STOP], [5], [6, 7, 8]], pad_id=PAD, device="cpu")
     assert batch.mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1]]

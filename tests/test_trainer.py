@@ -198,15 +198,15 @@ def test_micro_batches_take_a_prompts_rows_together(tmp_path):
     script = {4: [[10], [11, STOP], [10, 13, 14, 15, STOP], [12, 13, 14, 15, 16, STOP]],
               6: [[13], [10, 10, STOP], [14, 15, 16, STOP], [10, 16, 17, 18, STOP]]}
     trainer, _ = _trainer(model, script, [[4, 5], [6]], tmp_path, micro_batch_size=2)
-    packed, inner = [], model.hidden_states
+    copies, inner = [], model.hidden_states
 
-    def record(ids, *args, packed_rows=packed, **kwargs):
-        packed_rows.append(sorted(set(kwargs["packed"].prompt_ends)))
+    def record(ids, *args, **kwargs):
+        copies.append(sorted(set(kwargs["packed"].prompt_ends)))
         return inner(ids, *args, **kwargs)
 
     model.hidden_states = record
     trainer.step()
-    assert [len(ends) for ends in packed] == [1, 1, 1, 1]  # one prompt copy in each of the 4 micro-batches
+    assert [len(ends) for ends in copies] == [1, 1, 1, 1]  # one prompt copy in each of the 4 micro-batches
 
 
 def _rescored(trainer) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 GRPO trains G completions of every prompt. As right-padded rows, one per completion, a micro-batch runs each
 prompt through the model G times, and every row as long as its longest. Packed, it is one sequence of its
-distinct prompts and its completions, each token once (and 1-8 pad tokens at most). Nearly all FLOPs (the linear
+distinct prompts and its completions, each token once (and at most 8 pad tokens). Nearly all FLOPs (the linear
 layers) scale with those tokens: at 8 prompts x 8 samples on GSM8K, 29% fewer than padded rows (bench/NOTES.md).
 
 Attention alone runs on rows: it gathers each row's q, k and v from the packed tokens (prompt, then completion;
@@ -50,44 +50,41 @@ def pack(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int,
     """Row i is prompts[i] + completions[i]; rows with equal prompts share one copy of it. Every prompt holds a
     token. Tokens of pad_id fill T up to a multiple of 8, as a row of their own; a single row gets 8 of them, so
     that attention never sees one row (Dynamo would specialise that size: a graph more)."""
-    ids, first = [], {}                      # first: prompt -> packed index of its one copy
-    lens, prompt_at, starts, holds = [], [], [], []  # per row: (prompt, completion) lengths; packed index of its
-                                                     # prompt, of its completion; whether its slots hold the prompt
-
-    def add(prompt: list[int], completion: list[int]) -> None:
-        holds.append(tuple(prompt) not in first)  # the prompt's first row holds it
-        if holds[-1]:
-            first[tuple(prompt)] = len(ids)
-            ids.extend(prompt)
-        lens.append((len(prompt), len(completion)))
-        prompt_at.append(first[tuple(prompt)])
-        starts.append(len(ids))
-        ids.extend(completion)
-
+    if not all(prompts):
+        raise ValueError("every prompt must hold a token: its last one scores the first completion token")
+    n, ids, first = len(prompts), [], {}  # first: prompt -> packed index of its one copy
+    rows = []  # per row: prompt length, completion length, their packed indices, whether it holds the prompt's copy
     for p, c in zip(prompts, completions):
-        add(p, c)
-    ends = [at + n - 1 for at, (n, _) in zip(prompt_at, lens)]
-    pad = -len(ids) % 8 or (8 if len(lens) == 1 else 0)
-    if pad:
-        add([], [pad_id] * pad)
-    tokens, slots = _rows(*map(torch.tensor, (lens, prompt_at, starts, holds)), T=len(ids))
-    as_row = lambda x: x[None].to(device)  # noqa: E731
-    return Packed(as_row(torch.frombuffer(array("q", ids), dtype=torch.long)),  # 10x faster than torch.tensor(ids)
-                  as_row(slots % tokens.shape[1]), Rows(tokens.to(device), slots.to(device)), ends, starts[:len(ends)])
+        holds = tuple(p) not in first  # the prompt's first row
+        if holds:
+            first[tuple(p)] = len(ids)
+            ids += p
+        rows.append((len(p), len(c), first[tuple(p)], len(ids), holds))
+        ids += c
+    pad = -len(ids) % 8 or (8 if n == 1 else 0)
+    if pad:  # a row with no prompt
+        rows.append((0, pad, len(ids), len(ids), True))
+        ids += [pad_id] * pad
+    tokens, slots = _rows(torch.tensor(rows), T=len(ids))
+    positions = slots % tokens.shape[1]                         # (T,): a token's column in its row
+    ids = torch.frombuffer(array("q", ids), dtype=torch.long)   # (T,); 10x faster than torch.tensor(list)
+    prompt_ends = [at + length - 1 for length, _, at, _, _ in rows[:n]]
+    starts = [start for _, _, _, start, _ in rows[:n]]
+    return Packed(ids[None].to(device), positions[None].to(device), Rows(tokens.to(device), slots.to(device)),
+                  prompt_ends, starts)
 
 
-def _rows(lens: torch.Tensor, prompt_at: torch.Tensor, starts: torch.Tensor, holds: torch.Tensor, T: int):
-    """The rows' packed indices (n, L), right-padded with indices spread over the T tokens, and each token's flat
-    slot r * L + t (T,) in the one row that holds it: a prompt's first row, a completion's own. Its column t there
-    is its RoPE position. lens (n, 2): prompt and completion lengths; the others (n,)."""
-    P, n = lens[:, :1], len(lens)                                                   # (n, 1)
-    L = _aligned(int(lens.sum(1).max()))
+def _rows(rows: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows (n, 5) as pack() lists them -> the rows' packed indices (n, L), right-padded with indices spread over
+    the T tokens, and each token's flat slot r * L + t (T,) in the one row that holds it: a prompt's first row, a
+    completion's own."""
+    prompt_len, completion_len, prompt_at, start, holds = rows.T[:, :, None]      # (n, 1) each
+    n, L = len(rows), _aligned(int((prompt_len + completion_len).max()))
     col = torch.arange(L)                                                           # (L,)
-    in_prompt, real = col < P, col < lens.sum(1, keepdim=True)                      # (n, L) each
-    index = torch.where(in_prompt, prompt_at[:, None] + col, starts[:, None] + col - P)
-    flat = torch.arange(n * L).view(n, L)
-    tokens = torch.where(real, index, flat % T)                                     # (n, L)
-    held = real & (holds[:, None] | ~in_prompt)                                     # each token in one row
+    in_prompt, real = col < prompt_len, col < prompt_len + completion_len           # (n, L) each
+    flat = torch.arange(n * L).view(n, L)                                           # r * L + t
+    tokens = torch.where(real, torch.where(in_prompt, prompt_at + col, start + col - prompt_len), flat % T)
+    held = real & (holds.bool() | ~in_prompt)                                       # each token in one row
     slots = torch.empty(T, dtype=torch.long)
     slots[tokens[held]] = flat[held]                                                # (T,)
     return tokens, slots

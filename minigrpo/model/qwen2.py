@@ -17,7 +17,7 @@ import torch.utils.checkpoint
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from minigrpo.model.config import ModelConfig
-from minigrpo.model.packing import Packed, row_attention
+from minigrpo.model.packing import Packed, Rows, row_attention
 
 # SDPA's kernels less cuDNN's, which builds an execution plan for each new shape on the host (bench/NOTES.md)
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -73,7 +73,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         cos, sin = cos[:, None], sin[:, None]                                           # (B, 1, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if isinstance(mask, tuple):  # packed
+        if isinstance(mask, Rows):  # packed
             with sdpa_kernel(NOT_CUDNN):
                 return self.o_proj(row_attention(q[0], k[0], v[0], mask)[None])         # (1, T, C)
         # (B, Hq, T, D); with no mask (no padding) the fused causal kernels apply
@@ -137,7 +137,7 @@ class Qwen2ForCausalLM(nn.Module):
         """Final-norm hidden states, (B, T) -> (B, T, C); the trainer applies the LM head in chunks itself.
         attention_mask (B, T): 1 for real tokens, 0 for left padding; a token's position counts the real tokens
         before it, so a left-padded row computes exactly what it computes alone. packed: rows that share prompts
-        as one sequence (packing.py; input_ids is packed.ids, (1, T)), the training forward's layout.
+        as one sequence (packing.py; input_ids is packed.ids, (1, T); no attention_mask), the training forward's layout.
         recompute_layers: with gradients on, the first N decoder layers recompute in backward (one tensor kept per
         layer, not ~20; the same gradients), the others keep their activations."""
         B, T = input_ids.shape

@@ -84,7 +84,7 @@ class TrainConfig:
         self._check_combinations()
 
     def _check_ranges(self) -> None:
-        """Each setting alone: finite, in its range, one of its choices."""
+        """Settings one by one: finite, in range, one of the choices."""
         for f in fields(self):  # argparse's float() takes "inf" and "nan"
             value = getattr(self, f.name)
             values = value if isinstance(value, tuple) else (value,)
@@ -140,7 +140,7 @@ class TrainConfig:
                              f"use weights fp32, or weight_decay 0 or >= {MIN_BF16_DECAY / lr:g}")
 
     def _check_combinations(self) -> None:
-        """Settings that depend on one another."""
+        """Settings that need one another (each message also gives the range of what it names)."""
         if self.minibatch_size and self.rows_per_step % self.minibatch_size:
             raise ValueError(f"minibatch_size {self.minibatch_size} must divide the B*G = {self.rows_per_step} rows "
                              f"of a step")

@@ -80,13 +80,13 @@ def parameter_count(m: ModelConfig) -> int:
 @dataclass(frozen=True)
 class _Packing:
     """The largest packed micro-batch of `rows` rows from `prompts` distinct prompts (model/packing.py)."""
-    tokens: int   # each prompt once, every completion, the padding to a multiple of 8
+    tokens: int   # each prompt once, every completion, the padding (at most 8 tokens)
     slots: int    # attention's row slots: rows (+ the padding's) x the longest row
 
     @classmethod
     def of(cls, rows: int, prompts: int, prompt_tokens: int, new_tokens: int) -> _Packing:
         longest = -(-(prompt_tokens + new_tokens) // 8) * 8
-        return cls(prompts * prompt_tokens + rows * new_tokens + 7, (rows + 1) * longest)
+        return cls(prompts * prompt_tokens + rows * new_tokens + 8, (rows + 1) * longest)
 
 
 def _layer_bytes(m: ModelConfig, a: int, r: int, p: _Packing, eager: bool = False) -> int:

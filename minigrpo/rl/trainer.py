@@ -78,6 +78,28 @@ def _fail_past_recompile_limit() -> None:
     cfg.fail_on_recompile_limit_hit = True
 
 
+def _compile_layers(models: list) -> None:
+    """Fuses each decoder layer's ~50 small elementwise kernels. Parameters are graph inputs, so one compile serves
+    every layer of every model; the packed tokens and rows are dynamic sizes (Qwen2ForCausalLM.hidden_states): one
+    graph per grad mode (two with grad when only some layers recompute). nn.Module.compile keeps the state-dict
+    names."""
+    for m in models:
+        for layer in m.model.layers:
+            layer.compile(options=LAYER_OPTIONS)
+    _fail_past_recompile_limit()
+
+
+def _inputs(task, ref) -> dict[str, str]:
+    """What a resume must find as the checkpoint left it, besides the config: the training prompts (data, template
+    and tokenizer), and the KL anchor, read again from the initial model (Trainer.resume): the first values of each
+    tensor, enough to tell another model apart."""
+    inputs = {"prompts": fingerprint(np.asarray(task.prompt(i), np.int64).tobytes() for i in range(len(task)))}
+    if ref is not None:  # a copy: numpy sharing a parameter's storage pins its size
+        inputs["reference"] = fingerprint(p.detach().reshape(-1)[:1024].to("cpu", copy=True).view(torch.uint8)
+                                          .numpy().tobytes() for p in ref.parameters())
+    return inputs
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, model, tokenizer, task, backend, out_dir: str | Path, *,
                  eval_task=None, tokenizer_dir: str | Path | None = None, tensorboard: bool = False,
@@ -100,21 +122,8 @@ class Trainer:
         # and resume() checks the anchor's fingerprint against the checkpoint's.
         self.ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.kl_beta > 0 else None
         if cfg.compile_policy:
-            # Fuses each layer's ~50 small elementwise kernels. Parameters are graph inputs, so one compile
-            # serves every layer of both models; batch and length are dynamic (Qwen2ForCausalLM.hidden_states):
-            # one graph per grad mode (two with grad when only some layers recompute). nn.Module.compile keeps
-            # the state-dict names.
-            for m in (model, self.ref) if self.ref is not None else (model,):
-                for layer in m.model.layers:
-                    layer.compile(options=LAYER_OPTIONS)
-            _fail_past_recompile_limit()
-        # What a resume must find as the checkpoint left it, besides the config: the training prompts (data,
-        # template and tokenizer), and the KL anchor, read again from the initial model (resume()).
-        self.inputs = {"prompts": fingerprint(np.asarray(task.prompt(i), np.int64).tobytes() for i in range(len(task)))}
-        if self.ref is not None:  # the first values of each tensor, before FSDP shards them: another model differs
-            self.inputs["reference"] = fingerprint(  # a copy: numpy sharing a parameter's storage pins its size
-                p.detach().reshape(-1)[:1024].to("cpu", copy=True).view(torch.uint8).numpy().tobytes()
-                for p in self.ref.parameters())
+            _compile_layers([m for m in (model, self.ref) if m is not None])
+        self.inputs = _inputs(task, self.ref)  # before FSDP shards the reference
         self.sampler = EpochSampler(len(task), cfg.seed)  # the global prompt order, the same on every rank
         dist.shard(range(cfg.prompts_per_step), "prompts per step (-B)")  # fails now, not at step 1
         self.policy = GradSync(model, self._logprobs, dist, cfg.parallel)  # the training forward (DDP / FSDP)

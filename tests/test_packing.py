@@ -136,3 +136,28 @@ def test_compiled_layers_serve_every_packing_with_one_graph_per_grad_mode(device
         model.hidden_states(p.ids, packed=p, recompute_layers=2).sum().backward()
     assert counters["unique_graphs"] - graphs == 2
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_a_training_micro_batch_never_waits_for_the_gpu():
+    # Selecting, packing and copying a micro-batch, its forward and backward queue behind the GPU's work: a host sync
+    # there (a pageable copy, .item()) would drain the queue at every micro-batch (model/transfer.py)
+    from minigrpo.rl.trainer import LAYER_OPTIONS
+
+    model = random_model(tiny_config(head_dim=64), seed=0, device="cuda", dtype=torch.bfloat16).train()
+    for layer in model.model.layers:
+        layer.compile(options=LAYER_OPTIONS)
+    prompts, completions = _rows()
+    batch = SequenceBatch.build(prompts, completions, pad_id=PAD, device="cuda")
+
+    def micro_batch():
+        mb = batch.select([0, 1, 3])
+        completion_logprobs(model, mb, temperature=0.7, chunk_size=4, recompute_layers=1).sum().backward()
+
+    micro_batch()  # compiles, and pins the host buffers the copies reuse
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        micro_batch()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from minigrpo.model.transfer import to_device
+
 
 class Rows(NamedTuple):
     """What attention needs of a packing. Tensors only: it enters the compiled decoder layers."""
@@ -70,8 +72,8 @@ def pack(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int,
     ids = torch.frombuffer(array("q", ids), dtype=torch.long)   # (T,); 10x faster than torch.tensor(list)
     prompt_ends = [at + length - 1 for length, _, at, _, _ in rows[:n]]
     starts = [start for _, _, _, start, _ in rows[:n]]
-    return Packed(ids[None].to(device), positions[None].to(device), Rows(tokens.to(device), slots.to(device)),
-                  prompt_ends, starts)
+    return Packed(to_device(ids[None], device), to_device(positions[None], device),
+                  Rows(to_device(tokens, device), to_device(slots, device)), prompt_ends, starts)
 
 
 def _rows(rows: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:

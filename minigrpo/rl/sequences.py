@@ -17,6 +17,7 @@ import torch
 
 from minigrpo.model.packing import Packed, pack
 from minigrpo.model.qwen2 import Qwen2ForCausalLM
+from minigrpo.model.transfer import to_device
 from minigrpo.rl.logprobs import token_logprobs
 
 
@@ -47,7 +48,7 @@ class SequenceBatch:
     def select(self, rows: list[int]) -> SequenceBatch:
         """The given rows, their mask trimmed to the longest of their completions."""
         C2 = max(1, max(len(self.completions[r]) for r in rows))
-        idx = torch.tensor(rows, device=self.mask.device)
+        idx = to_device(torch.tensor(rows), self.mask.device)
         return SequenceBatch([self.prompts[r] for r in rows], [self.completions[r] for r in rows],
                              self.mask[idx, :C2], self.pad_id)
 
@@ -63,7 +64,7 @@ class SequenceBatch:
         j = torch.arange(len(rows)) - (lens.cumsum(0) - lens)[rows]                      # (M,)
         token = torch.tensor(packed.starts, dtype=torch.long)[rows] + j                  # (M,)
         col = torch.where(j == 0, torch.tensor(packed.prompt_ends, dtype=torch.long)[rows], token - 1)
-        return torch.stack([rows, j, col, token]).to(self.mask.device)
+        return to_device(torch.stack([rows, j, col, token]), self.mask.device)
 
 
 def pad_rows(rows: list[list[float]], width: int, device) -> torch.Tensor:

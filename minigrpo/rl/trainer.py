@@ -33,6 +33,7 @@ import torch._inductor.config
 from torch.distributed.checkpoint import state_dict as dcp
 
 from minigrpo.model.sampling import SamplingParams
+from minigrpo.model.transfer import to_device
 from minigrpo.rl.config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
 from minigrpo.rl.data import ROLLOUT, ROUNDING, SHUFFLE, EpochSampler, derive_seeds
 from minigrpo.rl.distributed import Dist, GradSync, frozen_forward
@@ -242,7 +243,7 @@ class Trainer:
         sums = UpdateSums(self.device)
         for k, epoch, minibatch, count in self._minibatches(rows, train_all):  # _optimizer_step leaves no gradient
             for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch, count)):
-                mb, idx = rows.batch.select(micro), torch.tensor(micro, device=self.device)  # m rows, (m,)
+                mb, idx = rows.batch.select(micro), to_device(torch.tensor(micro), self.device)  # m rows, (m,)
                 with self.policy.accumulate(u == 0, last):  # the last backward reduces (DDP / FSDP)
                     logp = self._forward(mb, idx, old_logp, entropy, fill and epoch == 0 and weight > 0)
                     if weight and not fill and not sums.norms:  # no optimizer step yet: the old policy, scored twice

@@ -73,13 +73,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         cos, sin = cos[:, None], sin[:, None]                                           # (B, 1, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if isinstance(mask, Rows):  # packed
-            with sdpa_kernel(NOT_CUDNN):
-                return self.o_proj(row_attention(q[0], k[0], v[0], mask)[None])         # (1, T, C)
-        # (B, Hq, T, D); with no mask (no padding) the fused causal kernels apply
         with sdpa_kernel(NOT_CUDNN):
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+            if isinstance(mask, Rows):  # packed
+                y = row_attention(q[0], k[0], v[0], mask)[None]                         # (1, T, Hq*D)
+            else:  # with no mask (no padding) the fused causal kernels apply
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+                y = y.transpose(1, 2).reshape(B, T, -1)                                 # (B, T, Hq*D)
+        return self.o_proj(y)                                                           # (B, T, C)
 
 
 class MLP(nn.Module):

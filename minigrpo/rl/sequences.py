@@ -43,14 +43,12 @@ class SequenceBatch:
         rollout backends check it): its last one scores the first completion token."""
         lens = [len(c) for c in completions]
         mask = torch.arange(max(1, max(lens)))[None, :] < torch.tensor(lens)[:, None]   # (n, C)
-        return cls(list(prompts), list(completions), mask.float().to(device), pad_id)
+        return cls(list(prompts), list(completions), to_device(mask.float(), device), pad_id)
 
     def select(self, rows: list[int]) -> SequenceBatch:
         """The given rows, their mask trimmed to the longest of their completions."""
-        C2 = max(1, max(len(self.completions[r]) for r in rows))
-        idx = to_device(torch.tensor(rows), self.mask.device)
-        return SequenceBatch([self.prompts[r] for r in rows], [self.completions[r] for r in rows],
-                             self.mask[idx, :C2], self.pad_id)
+        return SequenceBatch.build([self.prompts[r] for r in rows], [self.completions[r] for r in rows],
+                                   pad_id=self.pad_id, device=self.mask.device)
 
     def pack(self) -> Packed:
         return pack(self.prompts, self.completions, pad_id=self.pad_id, device=self.mask.device)
@@ -79,11 +77,10 @@ def completion_logprobs(model: Qwen2ForCausalLM, batch: SequenceBatch, *, temper
                         chunk_size: int = 1024, amp_dtype: torch.dtype | None = None,
                         return_entropy: bool = False, recompute_layers: int = 0):
     """log p(completion token | prefix) under softmax(logits / temperature): (n, C) fp32 (fp64 for an fp64
-    model) [, entropy (n, C)],
-    0 past each row's completion. With amp_dtype (bf16 on CUDA) the decoder runs under autocast and the LM head
-    is cast to amp_dtype by hand: autocast would not cover token_logprobs' hand-written backward, which would
-    then recompute the softmax in another precision. recompute_layers: activation checkpointing of the first N
-    decoder layers."""
+    model) [, entropy (n, C)], 0 past each row's completion. With amp_dtype (bf16 on CUDA) the decoder runs under
+    autocast and the LM head is cast to amp_dtype by hand: autocast would not cover token_logprobs' hand-written
+    backward, which would then recompute the softmax in another precision. recompute_layers: activation
+    checkpointing of the first N decoder layers."""
     packed = batch.pack()
     with torch.autocast(packed.ids.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
         hidden = model.hidden_states(packed.ids, recompute_layers=recompute_layers, packed=packed)[0]  # (T, D)

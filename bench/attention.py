@@ -41,7 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-import kernels.decode_attention as kda  # noqa: E402
+import minigrpo.kernels.decode_attention as kda  # noqa: E402
 from bench.timing import copy_bandwidth_tbs  # noqa: E402
 from minigrpo.engine.attention import decode_attention  # noqa: E402
 

@@ -43,7 +43,7 @@ from torch.library import wrap_triton  # noqa: E402
 
 from bench.timing import copy_bandwidth_tbs, time_graph  # noqa: E402
 from bench.workload import qwen_dir  # noqa: E402
-from kernels.decode_attention import sm_count  # noqa: E402
+from minigrpo.kernels.decode_attention import sm_count  # noqa: E402
 from minigrpo.model.config import ModelConfig  # noqa: E402
 
 ROTATE_BYTES = 512 << 20

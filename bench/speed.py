@@ -3,11 +3,12 @@
     python bench/speed.py --model-dir /tmp/rand05b --data DATA --steps 8 \
         --variant before=.rev/before --variant after=. --variant after32=.:--micro-batch-size=32 --profile after32
 
-A variant is NAME=CODE[:FLAG,FLAG...]. CODE is a folder holding a minigrpo checkout, whose package, kernels/
-and train.py the variant imports (`mkdir -p .rev/x && git archive COMMIT | tar -x -C .rev/x` makes one; `.`
-is this one); the flags are added to the workload's train.py flags. Workload: 8 prompts x 8 samples x 256
-tokens, K = 2, beta 0.04, `--weights bf16 --activation-checkpointing --logprob-chunk-size 256` (LEAN), and
-bench/train_step.py's stand-in reward, so that every group trains on random weights.
+A variant is NAME=CODE[:FLAG,FLAG...]. CODE is a folder holding a minigrpo checkout, whose package (and
+top-level kernels/, in code from before it moved into the package) and train.py the variant imports
+(`mkdir -p .rev/x && git archive COMMIT | tar -x -C .rev/x` makes one; `.` is this one); the flags are added
+to the workload's train.py flags. Workload: 8 prompts x 8 samples x 256 tokens, K = 2, beta 0.04, `--weights bf16
+--activation-checkpointing --logprob-chunk-size 256` (LEAN), and bench/train_step.py's stand-in reward, so that
+every group trains on random weights.
 
 Each variant starts with an empty compile cache of its own (Inductor's and Triton's), so its compile
 seconds are a cold start's. They are measured here, from Dynamo's compile start / end callbacks (lazy

@@ -24,7 +24,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from test_attention import make_paged_kv  # noqa: E402
 
-import kernels.decode_attention as kda  # noqa: E402
+import minigrpo.kernels.decode_attention as kda  # noqa: E402
 from minigrpo.engine.attention import cached_attention, decode_attention, rope_store  # noqa: E402
 from minigrpo.model.qwen2 import rope_cos_sin  # noqa: E402
 
@@ -327,7 +327,7 @@ def test_ops_add_no_guard_on_a_symbolic_batch(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    import kernels.sample as ks
+    import minigrpo.kernels.sample as ks
     for module in (kda, ks):
         monkeypatch.setattr(module, "wrap_triton", _NoLaunch)
         monkeypatch.setattr(module, "check_runnable", lambda device: None)

@@ -17,8 +17,6 @@ ALLOWED = {
 
 def layer_of(module: str) -> str | None:
     parts = module.split(".")
-    if parts[0] == "kernels":
-        return "kernels"
     return parts[1] if parts[0] == "minigrpo" and len(parts) > 1 else None
 
 
@@ -33,7 +31,7 @@ def imports(path: Path):
 
 
 def test_every_layer_imports_only_from_the_layers_below_it():
-    files = sorted((ROOT / "minigrpo").glob("*/*.py")) + sorted((ROOT / "kernels").glob("*.py"))
+    files = sorted((ROOT / "minigrpo").glob("*/*.py"))
     assert len(files) > 30
     wrong = []
     for f in files:
@@ -46,7 +44,7 @@ def test_every_layer_imports_only_from_the_layers_below_it():
 
 
 def test_no_import_cycle():
-    files = sorted((ROOT / "minigrpo").glob("*/*.py")) + sorted((ROOT / "kernels").glob("*.py"))
+    files = sorted((ROOT / "minigrpo").glob("*/*.py"))
     name = {f: ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for f in files}
     modules = set(name.values())
     graph = {name[f]: {m for m in imports(f) if m in modules} - {name[f]} for f in files}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.decode_attention import check_decode_inputs, check_new_token_inputs
+from minigrpo.kernels.decode_attention import check_decode_inputs, check_new_token_inputs
 from minigrpo.model.qwen2 import apply_rope
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import sdpa_kernel
 
-import kernels  # noqa: F401  (registers torch.ops.minigrpo.*)
+import minigrpo.kernels  # noqa: F401  (registers torch.ops.minigrpo.*)
 from minigrpo.engine.attention import decode_attention
 from minigrpo.model.config import ModelConfig
 from minigrpo.model.qwen2 import NOT_CUDNN, Qwen2ForCausalLM, apply_rope, rms_norm, rope_cos_sin

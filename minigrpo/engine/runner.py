@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.decode_attention import choose_num_splits, sm_count
+from minigrpo.kernels.decode_attention import choose_num_splits, sm_count
 from minigrpo.engine.config import EngineConfig
 from minigrpo.engine.decode import NO_STOP, DecodeModel, decode_step
 from minigrpo.engine.kv_cache import SCRATCH_PAGE, KVCache

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels.decode_attention import INTERPRETED, check_runnable
+from minigrpo.kernels.decode_attention import INTERPRETED, check_runnable
 
 M31 = 0x7FFFFFFF  # the hash's 31-bit mask, and the index of the chunk draw's uniform, as in the reference
 

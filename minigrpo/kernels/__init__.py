@@ -3,4 +3,4 @@ torch.ops.minigrpo.paged_decode_attention and .fused_sample. With TRITON_INTERPR
 first imported, they run on CPU tensors (the CPU tests).
 """
 
-from kernels import decode_attention, sample  # noqa: F401  (import registers the ops)
+from minigrpo.kernels import decode_attention, sample  # noqa: F401  (import registers the ops)

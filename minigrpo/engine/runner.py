@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minigrpo.kernels.decode_attention import choose_num_splits, sm_count
 from minigrpo.engine.config import EngineConfig
 from minigrpo.engine.decode import NO_STOP, DecodeModel, decode_step
 from minigrpo.engine.kv_cache import SCRATCH_PAGE, KVCache
+from minigrpo.kernels.decode_attention import choose_num_splits, sm_count
 from minigrpo.model.sampling import SamplingParams
 
 MAX_STOPS, STOP_LEN = 16, 4  # stop ids and stop token sequences of up to STOP_LEN tokens, per request

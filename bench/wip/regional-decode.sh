@@ -2,16 +2,16 @@
 # sessions 28-30). Here first:
 #   bash bench/h200.sh revs before=HEAD region=HEAD && (cd .rev/region && patch -p1 < ../../bench/wip/regional-decode.patch)
 #   rm -rf .devdata && cp -r ../shared/data .devdata        # then carry .rev and .devdata
-# Device: `bash bench/wip/regional-decode.sh speed` (~8 min), then `bash bench/wip/regional-decode.sh tests`.
+# Device: `bash bench/wip/regional-decode.sh speed` (~9 min), then `bash bench/wip/regional-decode.sh tests`.
 set -u
 export PYTHONUNBUFFERED=1
 D=$PWD/.devdata; O=$(realpath "${OUT:-out}"); export MINIGRPO_DATA=$D; mkdir -p "$O"
 nvidia-smi --query-gpu=name --format=csv,noheader; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
 case "${1:-}" in
   speed)
-    for t in region before; do  # the decode step alone, cold: ~1 min each
-      echo "$t $(cd .rev/$t && PYTHONPATH=$PWD timeout 150 python3 bench/compile_decode.py 2>$O/compile_$t.err | tail -1)"
-    done
+    for t in region before; do for L in 24 1; do  # the decode step alone, cold, all layers and one: ~1 min each
+      echo "$t $(cd .rev/$t && PYTHONPATH=$PWD timeout 150 python3 bench/compile_decode.py --layers $L 2>$O/compile_${t}_$L.err | tail -1)"
+    done; done
     PYTHONPATH=$PWD python3 weights/download.py --random-init --config $D/qwen2.5-0.5b-instruct/config.json --device cuda \
       --tokenizer-dir $D/qwen2.5-0.5b-instruct --out /tmp/rand05b > $O/rand.log 2>&1 || tail -5 $O/rand.log
     F=--micro-batch-size=32,--logprob-chunk-size=1024

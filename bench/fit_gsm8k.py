@@ -71,6 +71,26 @@ def batch(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, tor
     return ids[:, :-1].to(device), tgt[:, 1:].to(device)
 
 
+PIECE_ROWS = 8  # rows per forward: 32 rows of 512 tokens ran out of memory on an 80 GB H100 (NOTES session 31)
+
+
+def accumulate_loss(model, pick: list[list[int]], pad_id: int, autocast) -> torch.Tensor:
+    """Backward of the batch's mean token loss, PIECE_ROWS rows at a time (each piece's summed loss over the
+    batch's token count, so the gradient is the whole batch's), -> that loss (a detached scalar)."""
+    device = next(model.parameters()).device
+    n_tokens = sum(len(s) - 1 for s in pick)
+    total = torch.zeros((), device=device)
+    for i in range(0, len(pick), PIECE_ROWS):
+        ids, tgt = batch(pick[i:i + PIECE_ROWS], pad_id, device)                    # (b, T)
+        with autocast:
+            logits = model(ids)                                                     # (b, T, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=IGNORE,
+                               reduction="sum") / n_tokens
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
 def fit(model, seqs: list[list[int]], pad_id: int, *, seconds: float, steps: int, batch_size: int, lr: float,
         warmup: int, seed: int, memorize: list[list[int]] | None = None, log_every: int = 25
         ) -> list[tuple[int, float]]:
@@ -93,11 +113,7 @@ def fit(model, seqs: list[list[int]], pad_id: int, *, seconds: float, steps: int
         pick = [seqs[i] for i in torch.randint(len(seqs), (batch_size,), generator=gen).tolist()]
         if memorize:
             pick.append(memorize[step % len(memorize)])
-        ids, tgt = batch(pick, pad_id, device)                                      # (B, T)
-        with autocast:
-            logits = model(ids)                                                     # (B, T, V)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=IGNORE)
-        loss.backward()
+        loss = accumulate_loss(model, pick, pad_id, autocast)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

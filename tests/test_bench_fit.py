@@ -60,3 +60,22 @@ def test_bad_settings_are_named(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exit_:
         main(["--data", str(tmp_path), "--out", str(tmp_path / "out")] + args)
     assert message in capsys.readouterr().err + str(exit_.value)  # argparse prints; our checks raise the text
+
+
+def test_pieces_give_the_whole_batch_gradient():
+    """accumulate_loss runs 8 rows at a time; its loss and gradient are those of the whole batch at once."""
+    from contextlib import nullcontext
+
+    from bench.fit_gsm8k import PIECE_ROWS, accumulate_loss
+    torch.manual_seed(0)
+    model = random_model(tiny_config(vocab=64))  # fp32: the pieces differ from the whole in summation order only
+    pick = [torch.randint(1, 64, (n,)).tolist() for n in torch.randint(3, 12, (2 * PIECE_ROWS + 3,)).tolist()]
+    loss = accumulate_loss(model, pick, 0, nullcontext())
+    pieces = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ids, tgt = batch(pick, pad_id=0, device="cpu")
+    whole = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), tgt.flatten(), ignore_index=IGNORE)
+    whole.backward()
+    torch.testing.assert_close(loss, whole.detach(), rtol=1e-5, atol=0)  # fp32 sums of ~150 terms: ~1e-6 apart
+    for a, p in zip(pieces, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)

@@ -7,11 +7,11 @@ set -u
 export PYTHONUNBUFFERED=1 MINIGRPO_DATA=$PWD/.devdata; O=$(realpath "${OUT:-out}"); mkdir -p "$O"
 W=$PWD/bench/wip/compile_times.py
 fresh() { local c; c=$(mktemp -d); echo "TORCHINDUCTOR_CACHE_DIR=$c TRITON_CACHE_DIR=$c/triton"; }
-for t in v4b v3 region before; do for L in 24 1; do
+for t in v4b region before; do for L in 24 1; do
   [ "$t" = before ] || [ "$t" = region ] && [ "$L" = 1 ] && continue
   echo "$t $L $(cd .rev/$t && env $(fresh) PYTHONPATH=$PWD timeout 150 python3 $W bench/compile_decode.py --layers $L 2>$O/times_${t}_$L.err | tail -1)"
 done; done
-for t in v4b v3 region; do
+for t in v4b region; do
   (cd .rev/$t && env $(fresh) TORCH_LOGS=output_code,graph_code PYTHONPATH=$PWD timeout 150 python3 bench/compile_decode.py \
      --layers 3 > $O/code_$t.out 2> $O/code_$t.log)
   echo "$t 3 layers: $(cat $O/code_$t.out | tail -1)"; gzip -f $O/code_$t.log

@@ -1,5 +1,5 @@
-# The regional decode compile (bench/wip/regional-decode.patch) against main, on the device (bench/NOTES.md,
-# sessions 28-30). Here first:
+# The regional decode compile (bench/wip/regional-decode.patch, v4b since session 32) against main, on the device (bench/NOTES.md,
+# sessions 28-32). Here first:
 #   bash bench/h200.sh revs before=HEAD region=HEAD && (cd .rev/region && patch -p1 < ../../bench/wip/regional-decode.patch)
 #   rm -rf .devdata && cp -r ../shared/data .devdata        # then carry .rev and .devdata
 # Device: `bash bench/wip/regional-decode.sh speed` (~9 min), then `bash bench/wip/regional-decode.sh tests`.
@@ -19,7 +19,7 @@ case "${1:-}" in
       --variant region32=.rev/region:$F --variant before32=.rev/before:$F 2>&1 | tail -25
     for t in region before; do
       echo "== decode $t"
-      (cd .rev/$t && PYTHONPATH=$PWD timeout 120 python3 bench/decode.py --workloads 8x8,32x8 --attn triton \
+      (cd .rev/$t && PYTHONPATH=$PWD timeout 240 python3 bench/decode.py --workloads 8x8,32x8 --attn triton \
          --modes step+graphs --sampler triton --peers none --out $O/decode_$t > $O/decode_$t.log 2>&1
        grep -E "^triton|floors|rror" $O/decode_$t.log | tail -8)
     done ;;

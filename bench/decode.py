@@ -52,11 +52,11 @@ def gemm_chain(engine: Engine, B: int, compiled: bool):
     x0 = torch.randn(B, m.cfg.hidden_size, device="cuda", dtype=m.embed.dtype)
 
     def chain(x, lm_head=True):
-        for i in range(m.cfg.num_hidden_layers):
-            qkv = F.linear(x, m.w_qkv[i], m.b_qkv[i])
-            x = x + F.linear(qkv[:, :H * D], m.w_o[i])
-            gate, up = F.linear(x, m.w_gate_up[i]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, m.w_down[i])
+        for lw in m.layers:
+            qkv = F.linear(x, lw.w_qkv, lw.b_qkv)
+            x = x + F.linear(qkv[:, :H * D], lw.w_o)
+            gate, up = F.linear(x, lw.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw.w_down)
         return F.linear(x, m.lm_head) if lm_head else x
     fn = torch.compile(chain, fullgraph=True) if compiled else chain
     return lambda lm_head=True: fn(x0, lm_head)
@@ -216,11 +216,11 @@ def step_report(engine: Engine, B: int, explain: bool = True) -> dict:
     (torch._dynamo.explain over the step, when compile=step and `explain`: the trace is the same for every
     compiled mode of one backend, so the benchmark asks once per backend) and kernel launches per step
     (profiler, one un-captured step; under CUDA graphs the same kernels replay from one graph launch)."""
-    st, kv, m, attn = engine.state, engine.kv, engine.model, engine.cfg.attn
+    st, kv, m = engine.state, engine.kv, engine.model
     row = {}
     if engine.cfg.compile == "step" and explain:
-        ex = torch._dynamo.explain(decode_step)(m, attn, SAMPLING, **st.step_args(B), k_pools=kv.k, v_pools=kv.v,
-                                                sampler=engine.cfg.sampler, num_splits=engine.runner.num_splits)
+        ex = torch._dynamo.explain(decode_step)(m, engine.runner.layer, SAMPLING, **st.step_args(B), k_pools=kv.k,
+                                                v_pools=kv.v, sampler=engine.cfg.sampler)
         row.update(graphs=ex.graph_count, graph_breaks=ex.graph_break_count,
                    break_reasons=[str(b.reason) for b in ex.break_reasons])
     step = engine.runner.step(B, SAMPLING)

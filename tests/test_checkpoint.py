@@ -73,7 +73,7 @@ def test_a_policy_sharing_the_engines_memory_saves_and_loads_hf_named_tensors(tm
     model = random_model(cfg, seed=4, std=0.2)
     engine = Engine(cfg, EngineConfig(max_batch=8, max_seq_len=32), device="cpu", dtype=torch.float32)
     engine.load_weights(model)
-    assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == engine.model.w_qkv.data_ptr()  # shared
+    assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == engine.model.layers[0].w_qkv.data_ptr()  # shared
     save_model(model, tmp_path / "ckpt")
     stored = load_file(tmp_path / "ckpt" / "model.safetensors")
     names = {k for k in random_model(cfg).state_dict() if not (tied and k == "lm_head.weight")}
@@ -82,8 +82,8 @@ def test_a_policy_sharing_the_engines_memory_saves_and_loads_hf_named_tensors(tm
 
     other = random_model(cfg, seed=5, std=0.2)
     model.load_state_dict(other.state_dict())  # how a resume loads a checkpoint (run/checkpoints.py)
-    assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == engine.model.w_qkv.data_ptr()
-    assert torch.equal(engine.model.w_gate_up[1, cfg.intermediate_size:], other.model.layers[1].mlp.up_proj.weight)
+    assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == engine.model.layers[0].w_qkv.data_ptr()
+    assert torch.equal(engine.model.layers[1].w_gate_up[cfg.intermediate_size:], other.model.layers[1].mlp.up_proj.weight)
 
 # --- bad input: each error names the problem ---------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The inference side of the model: packed weights, batched prefill, and the decode step.
 
-Weights are laid out for inference: q/k/v fused into one matmul and gate/up into another, stacked over
-layers. When the policy's parameters have the engine's dtype and device (`--weights bf16` on CUDA),
+Weights are laid out for inference: q/k/v fused into one matmul and gate/up into another, one set per
+layer (`LayerWeights`). When the policy's parameters have the engine's dtype and device (`--weights bf16` on CUDA),
 `load_from` makes each one a view of the slice that holds it, so the optimizer updates the engine in
 place; otherwise it copies after each update. The buffers never move, so captured CUDA graphs stay valid.
 
@@ -27,19 +27,35 @@ from minigrpo.model.qwen2 import NOT_CUDNN, Qwen2ForCausalLM, apply_rope, rms_no
 from minigrpo.model.sampling import SAMPLE_CHUNK, SamplingParams, sample
 
 
+class LayerWeights(nn.Module):
+    """One decoder layer's inference weights, as buffers, q/k/v fused and gate/up fused. Each is an allocation of
+    its own, not a slice of one tensor stacked over layers: torch 2.11 reuses a compiled region
+    (`decoder_layer`) only for inputs that are not views into a larger tensor."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        C, Fw, Hq, Hkv, D = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                             cfg.head_dim)
+        shapes = {"ln1": (C,), "w_qkv": ((Hq + 2 * Hkv) * D, C), "b_qkv": ((Hq + 2 * Hkv) * D,), "w_o": (C, Hq * D),
+                  "ln2": (C,), "w_gate_up": (2 * Fw, C), "w_down": (C, Fw)}
+        for name, shape in shapes.items():
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The weights in the order `decoder_layer`'s function takes them."""
+        return self.ln1, self.w_qkv, self.b_qkv, self.w_o, self.ln2, self.w_gate_up, self.w_down
+
+
 class DecodeModel(nn.Module):
     """Inference weights, as buffers: the engine never differentiates them."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, max_positions: int):
         super().__init__()
         self.cfg = cfg
-        L, C, Hq, Hkv, D, Fw, V = (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
-                                   cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
-        self.qkv_sizes = (Hq * D, Hkv * D, Hkv * D)
-        shapes = {"embed": (V, C), "ln1": (L, C), "w_qkv": (L, (Hq + 2 * Hkv) * D, C),
-                  "b_qkv": (L, (Hq + 2 * Hkv) * D), "w_o": (L, C, Hq * D), "ln2": (L, C), "w_gate_up": (L, 2 * Fw, C),
-                  "w_down": (L, C, Fw), "norm": (C,), "lm_head": (V, C)}
-        for name, shape in shapes.items():
+        C, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+        self.qkv_sizes = (cfg.num_attention_heads * D, cfg.num_key_value_heads * D, cfg.num_key_value_heads * D)
+        self.layers = nn.ModuleList(LayerWeights(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        for name, shape in {"embed": (V, C), "norm": (C,), "lm_head": (V, C)}.items():
             tied = name == "lm_head" and cfg.tie_word_embeddings
             self.register_buffer(name, self.embed if tied else torch.empty(shape, dtype=dtype, device=device))
         # RoPE tables in fp32, cast at use: the same values the reference model computes per call.
@@ -72,19 +88,14 @@ class DecodeModel(nn.Module):
         pairs = [(m.embed_tokens.weight, self.embed), (m.norm.weight, self.norm)]
         if not self.cfg.tie_word_embeddings:  # tied: lm_head.weight is the embedding's Parameter
             pairs.append((model.lm_head.weight, self.lm_head))
-        for i, layer in enumerate(m.layers):
-            a, mlp, w, b = layer.self_attn, layer.mlp, self.w_qkv[i], self.b_qkv[i]
-            pairs += [(layer.input_layernorm.weight, self.ln1[i]), (layer.post_attention_layernorm.weight, self.ln2[i]),
+        for layer, lw in zip(m.layers, self.layers):
+            a, mlp, w, b = layer.self_attn, layer.mlp, lw.w_qkv, lw.b_qkv
+            pairs += [(layer.input_layernorm.weight, lw.ln1), (layer.post_attention_layernorm.weight, lw.ln2),
                       (a.q_proj.weight, w[:q]), (a.k_proj.weight, w[q:q + k]), (a.v_proj.weight, w[q + k:]),
                       (a.q_proj.bias, b[:q]), (a.k_proj.bias, b[q:q + k]), (a.v_proj.bias, b[q + k:]),
-                      (a.o_proj.weight, self.w_o[i]), (mlp.gate_proj.weight, self.w_gate_up[i, :Fw]),
-                      (mlp.up_proj.weight, self.w_gate_up[i, Fw:]), (mlp.down_proj.weight, self.w_down[i])]
+                      (a.o_proj.weight, lw.w_o), (mlp.gate_proj.weight, lw.w_gate_up[:Fw]),
+                      (mlp.up_proj.weight, lw.w_gate_up[Fw:]), (mlp.down_proj.weight, lw.w_down)]
         return pairs
-
-    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, self.ln2[i], self.cfg.rms_norm_eps)
-        gate, up = F.linear(h, self.w_gate_up[i]).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w_down[i])
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor,
@@ -98,40 +109,76 @@ class DecodeModel(nn.Module):
         x = F.embedding(ids, self.embed)                                           # (B, T, C)
         cos, sin = (t[:T].to(x.dtype)[None, :, None] for t in (self.cos, self.sin))  # (1, T, 1, D) each
         flat_slots = slots.reshape(-1)                                              # (B*T,)
-        for i in range(cfg.num_hidden_layers):
-            h = rms_norm(x, self.ln1[i], cfg.rms_norm_eps)
-            q, k, v = F.linear(h, self.w_qkv[i], self.b_qkv[i]).split(self.qkv_sizes, dim=-1)
+        for lw, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
+            h = rms_norm(x, lw.ln1, cfg.rms_norm_eps)
+            q, k, v = F.linear(h, lw.w_qkv, lw.b_qkv).split(self.qkv_sizes, dim=-1)
             q = apply_rope(q.view(B, T, Hq, D), cos, sin)                           # (B, T, Hq, D)
             k = apply_rope(k.view(B, T, Hkv, D), cos, sin)                          # (B, T, Hkv, D)
             v = v.view(B, T, Hkv, D)
-            for pool, rows in ((k_pools[i], k), (v_pools[i], v)):                 # the K/V cache store
+            for pool, rows in ((k_pool, k), (v_pool, v)):                 # the K/V cache store
                 pool.view(-1, Hkv, D).index_copy_(0, flat_slots, rows.reshape(-1, Hkv, D))
             with sdpa_kernel(NOT_CUDNN):  # the trainer's kernels (qwen2.Attention), so the first token's too
                 y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                    is_causal=True, enable_gqa=True)  # (B, Hq, T, D)
-            x = x + F.linear(y.transpose(1, 2).reshape(B, T, Hq * D), self.w_o[i])
-            x = self._mlp(i, x)
+            x = x + F.linear(y.transpose(1, 2).reshape(B, T, Hq * D), lw.w_o)
+            gate, up = F.linear(rms_norm(x, lw.ln2, cfg.rms_norm_eps), lw.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw.w_down)
         last = x[torch.arange(B, device=ids.device), lens - 1]                      # (B, C)
         return F.linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head)  # (B, V)
 
-    def decode_logits(self, attn: str, tok, pos, block_table, live, k_pools: list[torch.Tensor],
-                      v_pools: list[torch.Tensor], num_splits: int) -> torch.Tensor:
-        """One token per slot -> next-token logits (B, V). Finished / empty slots (live False) store nothing
-        and attend over nothing; their logits are garbage that the bookkeeping ignores."""
-        cfg = self.cfg
-        B = tok.shape[0]
-        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    def decode_logits(self, layer, tok, pos, block_table, live, k_pools: list[torch.Tensor],
+                      v_pools: list[torch.Tensor]) -> torch.Tensor:
+        """One token per slot -> next-token logits (B, V), each layer through `layer` (`decoder_layer`'s).
+        Finished / empty slots (live False) store nothing and attend over nothing; their logits are garbage that
+        the bookkeeping ignores."""
         seq_lens = torch.where(live, pos.int() + 1, 0)                              # (B,) int32, 0 = store nothing
-        x = F.embedding(tok, self.embed)                                            # (B, C)
-        cos, sin = (t[pos].to(x.dtype) for t in (self.cos, self.sin))              # (B, D) each, all layers
-        for i in range(cfg.num_hidden_layers):
-            h = rms_norm(x, self.ln1[i], cfg.rms_norm_eps)
-            q, k, v = F.linear(h, self.w_qkv[i], self.b_qkv[i]).split(self.qkv_sizes, dim=-1)
-            o = decode_attention(attn, q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D), k_pools[i],
-                                 v_pools[i], block_table, seq_lens, cos, sin, D ** -0.5, num_splits)  # (B, Hq, D)
-            x = x + F.linear(o.reshape(B, Hq * D), self.w_o[i])
-            x = self._mlp(i, x)
-        return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)     # (B, V)
+        cos, sin = (t[pos].to(self.embed.dtype) for t in (self.cos, self.sin))     # (B, D) each, all layers
+        x, attn_out, mlp_out = F.embedding(tok, self.embed), None, None             # (B, C); layer 0 has no outputs to add
+        for lw, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
+            x, attn_out, mlp_out = layer(x, attn_out, mlp_out, lw.tensors(), k_pool, v_pool, block_table, seq_lens,
+                                         cos, sin)
+        x = x + attn_out + mlp_out                                                  # (B, C)
+        return F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head)  # (B, V)
+
+
+def decoder_layer(cfg: ModelConfig, attn: str, num_splits: int):
+    """One decoder layer for one token per slot, for this model shape and attention backend. It takes the
+    residual stream as three terms, (x, the previous layer's attention output, its MLP output), and returns the
+    same three for the next layer, whose first norm adds them: the residual adds fuse with the norms, and the
+    o-projection's output is not summed into a returned tensor (Inductor would then fold the add into the matmul
+    as a cuBLAS addmm and copy the residual into its output first, one extra copy per layer).
+
+    Its two halves, before and after attention, are nested compile regions: torch.compile traces and compiles
+    each a few times, not once per layer (torch 2.11 reuses one from its third call on). Layer 0's first half
+    has no residual terms to add and runs outside them. The attention, which writes the K/V cache, runs between
+    them in the step's own graph: a region must not mutate its inputs (torch 2.11 fails to functionalise one
+    that does). Dynamo inlines a region called with anything
+    but tensors, hence the settings bound here. Eager, the decorator does nothing."""
+    Hq, Hkv, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+
+    def qkv_projection(x, ln1, w_qkv, b_qkv):
+        return x, F.linear(rms_norm(x, ln1, eps), w_qkv, b_qkv)                    # (B, C), (B, (Hq + 2Hkv) D)
+
+    @torch.compiler.nested_compile_region
+    def before_attention(x, attn_out, mlp_out, ln1, w_qkv, b_qkv):
+        return qkv_projection(x + attn_out + mlp_out, ln1, w_qkv, b_qkv)
+
+    @torch.compiler.nested_compile_region
+    def after_attention(x, o, w_o, ln2, w_gate_up, w_down):
+        attn_out = F.linear(o, w_o)                                                 # (B, C)
+        gate, up = F.linear(rms_norm(x + attn_out, ln2, eps), w_gate_up).chunk(2, dim=-1)  # (B, F) each
+        return attn_out, F.linear(F.silu(gate) * up, w_down)                        # (B, C) each
+
+    def layer(x, attn_out, mlp_out, weights, k_pool, v_pool, block_table, seq_lens, cos, sin):
+        ln1, w_qkv, b_qkv, w_o, ln2, w_gate_up, w_down = weights
+        B = x.shape[0]
+        x, qkv = (qkv_projection(x, ln1, w_qkv, b_qkv) if attn_out is None else  # layer 0, outside any region
+                  before_attention(x, attn_out, mlp_out, ln1, w_qkv, b_qkv))
+        q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
+        o = decode_attention(attn, q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D), k_pool, v_pool,
+                             block_table, seq_lens, cos, sin, D ** -0.5, num_splits)   # (B, Hq, D)
+        return (x, *after_attention(x, o.reshape(B, Hq * D), w_o, ln2, w_gate_up, w_down))
+    return layer
 
 
 def sample_tokens(logits, params: SamplingParams, seed, ctr, sampler: str):
@@ -173,9 +220,10 @@ def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, st
     done.logical_or_(live & (ends_with_stop(out_tok, ctr, stops) | (ctr >= limit)))
 
 
-def decode_step(model: DecodeModel, attn: str, params: SamplingParams, tok, pos, ctr, seed, limit, done,
-                block_table, out_tok, out_logp, stops, k_pools, v_pools, sampler: str, num_splits: int) -> None:
-    """The whole decode step, the unit `--compile step` compiles and CUDA graphs capture: static shapes but the batch,
+def decode_step(model: DecodeModel, layer, params: SamplingParams, tok, pos, ctr, seed, limit, done,
+                block_table, out_tok, out_logp, stops, k_pools, v_pools, sampler: str) -> None:
+    """The whole decode step, the unit `--compile step` compiles and CUDA graphs capture, each layer through `layer`
+    (`decoder_layer`'s): static shapes but the batch,
     every state update an in-place write into a preallocated buffer, so it replays N times in a row, no host input."""
-    logits = model.decode_logits(attn, tok, pos, block_table, ~done, k_pools, v_pools, num_splits)
+    logits = model.decode_logits(layer, tok, pos, block_table, ~done, k_pools, v_pools)
     advance(logits, params, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp, sampler)

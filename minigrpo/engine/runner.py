@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from minigrpo.engine.config import EngineConfig
-from minigrpo.engine.decode import NO_STOP, DecodeModel, decode_step
+from minigrpo.engine.decode import NO_STOP, DecodeModel, decode_step, decoder_layer
 from minigrpo.engine.kv_cache import SCRATCH_PAGE, KVCache
 from minigrpo.kernels.decode_attention import choose_num_splits, sm_count
 from minigrpo.model.sampling import SamplingParams
@@ -78,6 +78,7 @@ class StepRunner:
         _, S, Hkv, _ = kv.k[0].shape
         self.num_splits = choose_num_splits(cfg.max_batch, Hkv, state.block_table.shape[1] * S,
                                             sm_count(kv.k[0].device))
+        self.layer = decoder_layer(model.cfg, cfg.attn, self.num_splits)
         self._prepared: dict = {}  # (bucket, params) -> the step, replaying a graph if captured
         self._prefills: dict = {}  # padded (rows, T) -> (graph, static inputs, box holding its logits)
         self._pool = None          # one memory pool shared by all captured graphs
@@ -113,8 +114,8 @@ class StepRunner:
         if cfg.compile == "step":  # the batch dimension symbolic: one compiled step serves every bucket
             for name in SlotState.ROWS:
                 torch._dynamo.maybe_mark_dynamic(args[name], 0)  # `maybe`: a bucket of 1 gets a graph of its own
-        return lambda: self._step(self.model, cfg.attn, params, **args, k_pools=kv.k, v_pools=kv.v,
-                                  sampler=cfg.sampler, num_splits=self.num_splits)
+        return lambda: self._step(self.model, self.layer, params, **args, k_pools=kv.k, v_pools=kv.v,
+                                  sampler=cfg.sampler)
 
     def run(self, B: int, params: SamplingParams, n_steps: int) -> None:
         key = (B, params)

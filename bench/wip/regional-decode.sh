@@ -1,6 +1,6 @@
-# The regional decode compile (bench/wip/regional-decode.patch, v4b since session 32) against main, on the device (bench/NOTES.md,
-# sessions 28-32). Here first:
-#   bash bench/h200.sh revs before=HEAD region=HEAD && (cd .rev/region && patch -p1 < ../../bench/wip/regional-decode.patch)
+# The regional decode compile (merged in 6bd763d, session 33; the patch was bench/wip/regional-decode.patch) against
+# the tree before it, on the device (bench/NOTES.md, sessions 28-33). Here first:
+#   bash bench/h200.sh revs before=71c628a region=HEAD
 #   rm -rf .devdata && cp -r ../shared/data .devdata        # then carry .rev and .devdata
 # Device: `bash bench/wip/regional-decode.sh speed` (~9 min), then `bash bench/wip/regional-decode.sh tests`.
 set -u

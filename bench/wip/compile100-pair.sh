@@ -1,12 +1,13 @@
 # `bench/h200.sh compile100 [fit]` for main before the merge (.rev/before, 71c628a) and the regional-decode tree (.rev/region), each with a fresh
 # Inductor and Triton cache, so that neither run reuses graphs or kernels another run compiled (session 33:
 # main's run after v4b's on one host found the trainer's graphs cached). Device, ~3 min:
-#   STEPS=20 bash bench/wip/compile100-pair.sh        (random weights; add `fit` for the fitted ones, +4 min)
+#   STEPS=20 bash bench/wip/compile100-pair.sh        (random weights; add `fit` for the fitted ones, +4 min;
+#   TREES="main region" for one run each)
 set -u
 D=$PWD/.devdata; O=$(realpath "${OUT:-out}"); mkdir -p "$O"
 nvidia-smi --query-gpu=name --format=csv,noheader
 i=0
-for t in main region main; do
+for t in ${TREES:-main region main}; do
   i=$((i + 1)); r=$O/$i-$t; dir=.rev/before; [ $t = region ] && dir=.rev/region
   c=$(mktemp -d); mkdir -p $r
   echo "== $t"

@@ -83,7 +83,8 @@ def test_a_policy_sharing_the_engines_memory_saves_and_loads_hf_named_tensors(tm
     other = random_model(cfg, seed=5, std=0.2)
     model.load_state_dict(other.state_dict())  # how a resume loads a checkpoint (run/checkpoints.py)
     assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == engine.model.layers[0].w_qkv.data_ptr()
-    assert torch.equal(engine.model.layers[1].w_gate_up[cfg.intermediate_size:], other.model.layers[1].mlp.up_proj.weight)
+    assert torch.equal(engine.model.layers[1].w_gate_up[cfg.intermediate_size:],
+                       other.model.layers[1].mlp.up_proj.weight)
 
 # --- bad input: each error names the problem ---------------------------------------------------------------
 

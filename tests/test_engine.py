@@ -263,7 +263,8 @@ def test_a_policy_in_another_dtype_is_copied_not_shared():
     policy = random_model(CFG, seed=1, std=0.2, dtype=torch.bfloat16)
     engine = make_engine(policy, attn="sdpa")
     assert all(p.dtype == torch.bfloat16 for p in policy.parameters())
-    assert torch.equal(engine.model.layers[0].w_qkv[:CFG.hidden_size], policy.model.layers[0].self_attn.q_proj.weight.float())
+    assert torch.equal(engine.model.layers[0].w_qkv[:CFG.hidden_size],
+                       policy.model.layers[0].self_attn.q_proj.weight.float())
     with torch.no_grad():
         policy.model.norm.weight.mul_(2)
     assert not torch.equal(engine.model.norm, policy.model.norm.weight.float())  # a private copy

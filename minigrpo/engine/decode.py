@@ -133,7 +133,8 @@ class DecodeModel(nn.Module):
         the bookkeeping ignores."""
         seq_lens = torch.where(live, pos.int() + 1, 0)                              # (B,) int32, 0 = store nothing
         cos, sin = (t[pos].to(self.embed.dtype) for t in (self.cos, self.sin))     # (B, D) each, all layers
-        x, attn_out, mlp_out = F.embedding(tok, self.embed), None, None             # (B, C); layer 0 has no outputs to add
+        # Layer 0 has no attention or MLP outputs to add.
+        x, attn_out, mlp_out = F.embedding(tok, self.embed), None, None             # (B, C)
         for lw, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
             x, attn_out, mlp_out = layer(x, attn_out, mlp_out, lw.tensors(), k_pool, v_pool, block_table, seq_lens,
                                          cos, sin)
@@ -152,8 +153,8 @@ def decoder_layer(cfg: ModelConfig, attn: str, num_splits: int):
     each a few times, not once per layer (torch 2.11 reuses one from its third call on). Layer 0's first half
     has no residual terms to add and runs outside them. The attention, which writes the K/V cache, runs between
     them in the step's own graph: a region must not mutate its inputs (torch 2.11 fails to functionalise one
-    that does). Dynamo inlines a region called with anything
-    but tensors, hence the settings bound here. Eager, the decorator does nothing."""
+    that does). Dynamo inlines a region called with anything but tensors, hence the settings bound here. Eager,
+    the decorator does nothing."""
     Hq, Hkv, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
 
     def qkv_projection(x, ln1, w_qkv, b_qkv):
@@ -223,7 +224,7 @@ def advance(logits, params: SamplingParams, tok, pos, ctr, seed, limit, done, st
 def decode_step(model: DecodeModel, layer, params: SamplingParams, tok, pos, ctr, seed, limit, done,
                 block_table, out_tok, out_logp, stops, k_pools, v_pools, sampler: str) -> None:
     """The whole decode step, the unit `--compile step` compiles and CUDA graphs capture, each layer through `layer`
-    (`decoder_layer`'s): static shapes but the batch,
-    every state update an in-place write into a preallocated buffer, so it replays N times in a row, no host input."""
+    (`decoder_layer`'s): static shapes but the batch, every state update an in-place write into a preallocated
+    buffer, so it replays N times in a row, no host input."""
     logits = model.decode_logits(layer, tok, pos, block_table, ~done, k_pools, v_pools)
     advance(logits, params, tok, pos, ctr, seed, limit, done, stops, out_tok, out_logp, sampler)

@@ -27,6 +27,12 @@ from minigrpo.model.qwen2 import NOT_CUDNN, Qwen2ForCausalLM, apply_rope, rms_no
 from minigrpo.model.sampling import SAMPLE_CHUNK, SamplingParams, sample
 
 
+def qkv_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
+    """Widths of q, k and v in the fused q/k/v projection's output: Hq * D, Hkv * D, Hkv * D."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return q, kv, kv
+
+
 class LayerWeights(nn.Module):
     """One decoder layer's inference weights, as buffers, q/k/v fused and gate/up fused. Each is an allocation of
     its own, not a slice of one tensor stacked over layers: torch 2.11 reuses a compiled region
@@ -34,9 +40,8 @@ class LayerWeights(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
         super().__init__()
-        C, Fw, Hq, Hkv, D = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                             cfg.head_dim)
-        shapes = {"ln1": (C,), "w_qkv": ((Hq + 2 * Hkv) * D, C), "b_qkv": ((Hq + 2 * Hkv) * D,), "w_o": (C, Hq * D),
+        C, Fw, QKV = cfg.hidden_size, cfg.intermediate_size, sum(qkv_sizes(cfg))
+        shapes = {"ln1": (C,), "w_qkv": (QKV, C), "b_qkv": (QKV,), "w_o": (C, cfg.num_attention_heads * cfg.head_dim),
                   "ln2": (C,), "w_gate_up": (2 * Fw, C), "w_down": (C, Fw)}
         for name, shape in shapes.items():
             self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
@@ -53,7 +58,6 @@ class DecodeModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         C, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-        self.qkv_sizes = (cfg.num_attention_heads * D, cfg.num_key_value_heads * D, cfg.num_key_value_heads * D)
         self.layers = nn.ModuleList(LayerWeights(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
         for name, shape in {"embed": (V, C), "norm": (C,), "lm_head": (V, C)}.items():
             tied = name == "lm_head" and cfg.tie_word_embeddings
@@ -84,7 +88,7 @@ class DecodeModel(nn.Module):
 
     def _views(self, model: Qwen2ForCausalLM) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(policy parameter, the view of these buffers that holds it), for every parameter of the policy."""
-        m, (q, k, _), Fw = model.model, self.qkv_sizes, self.cfg.intermediate_size
+        m, (q, k, _), Fw = model.model, qkv_sizes(self.cfg), self.cfg.intermediate_size
         pairs = [(m.embed_tokens.weight, self.embed), (m.norm.weight, self.norm)]
         if not self.cfg.tie_word_embeddings:  # tied: lm_head.weight is the embedding's Parameter
             pairs.append((model.lm_head.weight, self.lm_head))
@@ -111,7 +115,7 @@ class DecodeModel(nn.Module):
         flat_slots = slots.reshape(-1)                                              # (B*T,)
         for lw, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
             h = rms_norm(x, lw.ln1, cfg.rms_norm_eps)
-            q, k, v = F.linear(h, lw.w_qkv, lw.b_qkv).split(self.qkv_sizes, dim=-1)
+            q, k, v = F.linear(h, lw.w_qkv, lw.b_qkv).split(qkv_sizes(cfg), dim=-1)
             q = apply_rope(q.view(B, T, Hq, D), cos, sin)                           # (B, T, Hq, D)
             k = apply_rope(k.view(B, T, Hkv, D), cos, sin)                          # (B, T, Hkv, D)
             v = v.view(B, T, Hkv, D)
@@ -156,6 +160,7 @@ def decoder_layer(cfg: ModelConfig, attn: str, num_splits: int):
     that does). Dynamo inlines a region called with anything but tensors, hence the settings bound here. Eager,
     the decorator does nothing."""
     Hq, Hkv, D, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    sizes = qkv_sizes(cfg)
 
     def qkv_projection(x, ln1, w_qkv, b_qkv):
         return x, F.linear(rms_norm(x, ln1, eps), w_qkv, b_qkv)                    # (B, C), (B, (Hq + 2Hkv) D)
@@ -175,7 +180,7 @@ def decoder_layer(cfg: ModelConfig, attn: str, num_splits: int):
         B = x.shape[0]
         x, qkv = (qkv_projection(x, ln1, w_qkv, b_qkv) if attn_out is None else  # layer 0, outside any region
                   before_attention(x, attn_out, mlp_out, ln1, w_qkv, b_qkv))
-        q, k, v = qkv.split((Hq * D, Hkv * D, Hkv * D), dim=-1)
+        q, k, v = qkv.split(sizes, dim=-1)
         o = decode_attention(attn, q.view(B, Hq, D), k.view(B, Hkv, D), v.view(B, Hkv, D), k_pool, v_pool,
                              block_table, seq_lens, cos, sin, D ** -0.5, num_splits)   # (B, Hq, D)
         return (x, *after_attention(x, o.reshape(B, Hq * D), w_o, ln2, w_gate_up, w_down))

@@ -40,8 +40,8 @@ class LayerWeights(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
         super().__init__()
-        C, Fw, QKV = cfg.hidden_size, cfg.intermediate_size, sum(qkv_sizes(cfg))
-        shapes = {"ln1": (C,), "w_qkv": (QKV, C), "b_qkv": (QKV,), "w_o": (C, cfg.num_attention_heads * cfg.head_dim),
+        C, Fw, (Q, KV, _) = cfg.hidden_size, cfg.intermediate_size, qkv_sizes(cfg)
+        shapes = {"ln1": (C,), "w_qkv": (Q + 2 * KV, C), "b_qkv": (Q + 2 * KV,), "w_o": (C, Q),
                   "ln2": (C,), "w_gate_up": (2 * Fw, C), "w_down": (C, Fw)}
         for name, shape in shapes.items():
             self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
@@ -112,10 +112,10 @@ class DecodeModel(nn.Module):
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         x = F.embedding(ids, self.embed)                                           # (B, T, C)
         cos, sin = (t[:T].to(x.dtype)[None, :, None] for t in (self.cos, self.sin))  # (1, T, 1, D) each
-        flat_slots = slots.reshape(-1)                                              # (B*T,)
+        flat_slots, sizes = slots.reshape(-1), qkv_sizes(cfg)                       # (B*T,)
         for lw, k_pool, v_pool in zip(self.layers, k_pools, v_pools):
             h = rms_norm(x, lw.ln1, cfg.rms_norm_eps)
-            q, k, v = F.linear(h, lw.w_qkv, lw.b_qkv).split(qkv_sizes(cfg), dim=-1)
+            q, k, v = F.linear(h, lw.w_qkv, lw.b_qkv).split(sizes, dim=-1)
             q = apply_rope(q.view(B, T, Hq, D), cos, sin)                           # (B, T, Hq, D)
             k = apply_rope(k.view(B, T, Hkv, D), cos, sin)                          # (B, T, Hkv, D)
             v = v.view(B, T, Hkv, D)

@@ -4,13 +4,14 @@ static cache) on the same weights and prompts, and the floors, all in one run.
     python bench/decode.py                                   # 8x8 and 32x8 GSM8K prompts x 256 new tokens
     python bench/decode.py --workloads 8x8 --attn triton --modes step+graphs --peers none
     python bench/decode.py --report                          # graphs, graph breaks, kernel launches only
+    python bench/decode.py --config ../shared/data/configs/qwen2.5-7b-instruct --workloads 8x8 --peers none  # 7B shape
 
 Timing: CUDA events around each run of decode steps, median per step; tokens/s over the whole generate
 call (prefill and host syncs included), the median of --repeats rollouts, and the same for each peer.
 Stop ids are ignored, so every sequence decodes exactly `--new` tokens, as in the peer measurement.
 Floors, measured in the same run:
   bandwidth floor  (weight bytes + KV bytes read per step) / measured copy bandwidth
-  matmul floor     the step's own GEMM chain (24 x qkv, o_proj, gate_up, down, residual adds, SiLU, then the
+  matmul floor     the step's own GEMM chain (per layer qkv, o_proj, gate_up, down, residual adds, SiLU, then the
                    LM head) captured alone in one CUDA graph
 Each engine row also carries the step's compiled graphs, graph breaks with reasons (compile=step) and
 kernel launches per step, in all and by name; the step breakdown is of the first row's configuration, so
@@ -266,6 +267,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="timed rollouts per row (engine and peers): medians")
     p.add_argument("--report", action="store_true", help="graph / graph-break / kernel-launch report only")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for decode.json")
+    p.add_argument("--config", type=Path, default=None,
+                   help="folder whose config.json gives the random model's shape (default: Qwen2.5-0.5B's)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.error("no CUDA device: this benchmark times the engine and HF generate on a GPU")
@@ -278,9 +281,11 @@ def main():
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         p.error(f"--out {out_dir} is a file; pass the folder decode.json should go in")
+    if args.config is not None and not (args.config / "config.json").is_file():
+        p.error(f"--config {args.config}: no config.json there; pass a folder such as data/configs/qwen2.5-7b-instruct")
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    model = random_qwen()
+    model = random_qwen(config_dir=args.config)
     _, all_prompts = gsm8k_prompts(max(n for n, _ in workloads))
     attns = args.attn.split(",")
     # Rows in this order: every backend x mode with the first sampler, then the first backend's CUDA-graph
@@ -289,7 +294,7 @@ def main():
     plan = [(a, m, samplers[0]) for a in attns for m in args.modes.split(",")]
     plan += [(attns[0], m, s) for s in samplers[1:] for m in args.modes.split(",") if m.endswith("graphs")]
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bandwidth_tbs(),
-                  sampler=args.sampler)
+                  sampler=args.sampler, model=model.config.to_hf_dict())
     out = out_dir / ("decode_report.json" if args.report else "decode.json")
     if args.report:
         result["report"] = report(model, all_prompts, attns, args.modes.split(","), samplers[0])

@@ -1,6 +1,6 @@
 """Decode-attention microbenchmark: the paged Triton kernel against gather + SDPA and dense SDPA.
 
-For each (sequences, context) point and page size, with Qwen2.5-0.5B heads (Hq=14, Hkv=2, D=64, bf16)
+For each (sequences, context) point and page size, with Qwen2.5-0.5B heads (Hq=14, Hkv=2, D=64, bf16; --heads for another shape)
 and shuffled pages, times with `triton.testing.do_bench_cudagraph` (median, CUDA-graph replay):
   dense   F.scaled_dot_product_attention on contiguous K/V (the no-paging lower bound)
   gather  the `sdpa` backend: gather pages into padded dense K/V, then SDPA with a length mask
@@ -45,7 +45,7 @@ import minigrpo.kernels.decode_attention as kda  # noqa: E402
 from bench.timing import copy_bandwidth_tbs  # noqa: E402
 from minigrpo.engine.attention import decode_attention  # noqa: E402
 
-HQ, HKV, D = 14, 2, 64
+HEADS = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "3b": (16, 2, 128), "7b": (28, 4, 128)}  # (Hq, Hkv, D)
 # bf16 on the GPU; the CPU smoke run uses fp16 because Triton's interpreter mishandles bf16 loads.
 DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float16}
 GPU_POINTS = [(64, 512), (64, 2048), (256, 512), (256, 2048)]
@@ -57,6 +57,7 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--interpret", action="store_true", help="run Triton under its CPU interpreter")
+    p.add_argument("--heads", default="0.5b", choices=list(HEADS), help="the published shape whose heads to use")
     p.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
     p.add_argument("--points", default=None, help="override, e.g. '64x512,256x2048' (sequences x context)")
     p.add_argument("--no-eager", action="store_true", help="skip the (slow) eager backend")
@@ -102,7 +103,7 @@ def copy_bandwidth(device: str, timer) -> float:
     return 2 * src.numel() / (timer(lambda: dst.copy_(src)) * 1e-6) / 1e9
 
 
-def make_paged_set(B, ctx, S, device, gen):
+def make_paged_set(B, ctx, S, HKV, D, device, gen):
     """Full-length sequences on shuffled pages: pools (P, S, Hkv, D), block table (B, M)."""
     M = math.ceil(ctx / S)
     P = B * M + 8
@@ -114,12 +115,13 @@ def make_paged_set(B, ctx, S, device, gen):
 
 def bench_point(B, ctx, S, args, timer, gen):
     device = args.device
+    HQ, HKV, D = HEADS[args.heads]
     kv_bytes = 2 * B * ctx * HKV * D * DTYPE[device].itemsize          # K and V
     n_sets = 1 if device == "cpu" else max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes)))
     q, k, v = (torch.randn(B, h, D, device=device, generator=gen).to(DTYPE[device]) for h in (HQ, HKV, HKV))
     cos, sin = (torch.rand(B, D, device=device, generator=gen).to(DTYPE[device]) for _ in range(2))  # (B, D)
     seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
-    paged = [make_paged_set(B, ctx, S, device, gen) for _ in range(n_sets)]
+    paged = [make_paged_set(B, ctx, S, HKV, D, device, gen) for _ in range(n_sets)]
     dense = [tuple(torch.randn(B, HKV, ctx, D, device=device, generator=gen).to(DTYPE[device])
                    for _ in range(2)) for _ in range(n_sets)]                              # (B, Hkv, T, D)
     scale = D ** -0.5
@@ -145,15 +147,16 @@ def bench_point(B, ctx, S, args, timer, gen):
                gbps={k: kv_bytes / (t * 1e-6) / 1e9 for k, t in us.items()},
                gather_over_triton=us["gather"] / us["triton"], triton_over_dense=us["triton"] / us["dense"])
     if args.sweep:
-        row["sweep"] = sweep(new_token, paged, timer, num_splits)
+        row["sweep"] = sweep(new_token, paged, timer, num_splits, D)
     return row
 
 
-def sweep(new_token, paged, timer, auto_splits):
+def sweep(new_token, paged, timer, auto_splits, D):
     """Microseconds for other split counts and (block_n, num_warps, num_stages); failures are recorded."""
     stages = 2 if D >= 128 else 3  # launch_paged_decode's default
-    configs = [(ns, kda.BLOCK_N, 4, stages) for ns in (1, 2, 4, 8, 16)]
-    configs += [(auto_splits, bn, w, st) for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+    configs = [(ns, kda.BLOCK_N, 4, stages) for ns in (1, 2, 3, 4, 6, 8, 16)]
+    configs += [(ns, bn, w, st) for ns in sorted({auto_splits, 2, 4})
+                for bn, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
     results = {}
     for ns, bn, w, st in configs:
         cfg = {"num_splits": ns, "block_n": bn, "num_warps": w, "num_stages": st}
@@ -196,7 +199,7 @@ def main():
         points = GPU_POINTS if device == "cuda" else CPU_POINTS
     result = dict(
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu (triton interpreter)",
-        torch=torch.__version__, triton=triton.__version__, heads=dict(q=HQ, kv=HKV, head_dim=D),
+        torch=torch.__version__, triton=triton.__version__, heads=dict(zip(("q", "kv", "head_dim"), HEADS[args.heads]), shape=args.heads),
         dtype=str(DTYPE[device]), copy_gbps=copy_bandwidth(device, timer), points=[],
     )
     for S in args.page_sizes:

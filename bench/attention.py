@@ -133,7 +133,7 @@ def bench_point(B, ctx, S, args, timer, gen):
 
     kp, vp, bt = paged[0]
     check = (paged_fn("triton")(kp, vp, bt).float() - paged_fn("sdpa")(kp, vp, bt).float()).abs().max().item()
-    num_splits = kda.choose_num_splits(B, HKV, bt.shape[1] * S, kda.sm_count(q.device), D)
+    num_splits = kda.choose_num_splits(B, HKV, bt.shape[1] * S, kda.sm_count(q.device))
 
     us = {
         "dense": timer(rotating(lambda k, v: F.scaled_dot_product_attention(q_groups, k, v, scale=scale), dense)),

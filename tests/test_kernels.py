@@ -154,18 +154,14 @@ def test_decode_strided_qkv():
 
 
 def test_num_splits_from_static_shapes():
-    # want = cdiv(3 programs/SM * 132 SMs, batch * kv_heads * D / 64); cap = max_tokens // 128; at most 32.
-    assert kda.choose_num_splits(256, 2, 2048, 132, 64) == 1       # 512 programs already: 3.9 per SM
-    assert kda.choose_num_splits(64, 2, 512, 132, 64) == 4         # 128 programs: 4 splits reach 3 per SM
-    assert kda.choose_num_splits(64, 2, 256, 132, 64) == 2         # capped by 256 // 128
-    assert kda.choose_num_splits(16, 2, 4096, 132, 64) == 13
-    assert kda.choose_num_splits(1, 2, 64, 132, 64) == 1           # too short to split
-    assert kda.choose_num_splits(1, 1, 1 << 20, 132, 64) == 32     # never more than MAX_SPLITS
-    assert kda.choose_num_splits(1024, 2, 4096, 132, 64) == 1
-    # 128-wide heads count twice: 7B's 64 x 4 programs already fill the GPU (NOTES session 35), 1.5B's 64 x 2 take 2
-    assert kda.choose_num_splits(64, 4, 448, 132, 128) == 1
-    assert kda.choose_num_splits(64, 2, 448, 132, 128) == 2
-    assert kda.choose_num_splits(8, 4, 4096, 132, 128) == 7
+    # want = cdiv(3 programs/SM * 132 SMs, batch * kv_heads); cap = max_tokens // 128; at most 32.
+    assert kda.choose_num_splits(256, 2, 2048, 132) == 1       # 512 programs already: 3.9 per SM
+    assert kda.choose_num_splits(64, 2, 512, 132) == 4         # 128 programs: 4 splits reach 3 per SM
+    assert kda.choose_num_splits(64, 2, 256, 132) == 2         # capped by 256 // 128
+    assert kda.choose_num_splits(16, 2, 4096, 132) == 13
+    assert kda.choose_num_splits(1, 2, 64, 132) == 1           # too short to split
+    assert kda.choose_num_splits(1, 1, 1 << 20, 132) == 32     # never more than MAX_SPLITS
+    assert kda.choose_num_splits(1024, 2, 4096, 132) == 1
 
 
 def test_decode_rejects_bad_geometry():
@@ -349,7 +345,7 @@ def test_ops_add_no_guard_on_a_symbolic_batch(monkeypatch):
     lens = fake(B, dtype=torch.int32)
     seeds, ctr = fake(B, dtype=torch.int64), fake(B, dtype=torch.int64)
     table, logits = fake(B, M, dtype=torch.int32), fake(B, V)
-    splits = kda.choose_num_splits(B, Hkv, M * S, 132, D)  # what the engine passes: its largest bucket's count
+    splits = kda.choose_num_splits(B, Hkv, M * S, 132)  # what the engine passes: its largest bucket's count
     with mode:
         assert isinstance(q.shape[0], torch.SymInt)
         kda.paged_decode_attention._init_fn(q, k, v, k_pool, v_pool, table, lens, cos, sin, 0.125, splits)

@@ -75,9 +75,9 @@ class StepRunner:
         self._step = (torch.compile(decode_step, fullgraph=True, dynamic=False,
                                     options={"emulate_precision_casts": True})
                       if cfg.compile == "step" else decode_step)
-        _, S, Hkv, D = kv.k[0].shape
+        _, S, Hkv, _ = kv.k[0].shape
         self.num_splits = choose_num_splits(cfg.max_batch, Hkv, state.block_table.shape[1] * S,
-                                            sm_count(kv.k[0].device), D)
+                                            sm_count(kv.k[0].device))
         self.layer = decoder_layer(model.cfg, cfg.attn, self.num_splits)
         self._prepared: dict = {}  # (bucket, params) -> the step, replaying a graph if captured
         self._prefills: dict = {}  # padded (rows, T) -> (graph, static inputs, box holding its logits)

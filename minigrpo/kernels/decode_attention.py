@@ -29,7 +29,7 @@ from torch.library import triton_op, wrap_triton
 BLOCK_N = 64                 # tokens per inner-loop step
 MIN_TOKENS_PER_SPLIT = 128   # a split shorter than this costs more in merge traffic than it gains
 MAX_SPLITS = 32
-PROGRAMS_PER_SM = 3          # at D = 64; splits cost a merge and fp32 partials: split only to fill the GPU (NOTES)
+PROGRAMS_PER_SM = 3          # splits cost a merge and fp32 partials: split only to fill the GPU (bench/NOTES.md)
 LOG2E = 1.4426950408889634
 
 
@@ -190,11 +190,10 @@ def sm_count(device: torch.device) -> int:
     return 4  # the CPU interpreter: small grids keep tests fast
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, head_dim: int) -> int:
-    """Splits of each sequence so that batch * kv_heads * splits programs fill the GPU, counting a program of
-    128-wide heads as two (it moves twice the bytes per token). Static inputs only (max_tokens = block-table
-    width * page size), so a captured CUDA graph stays valid for any seq_lens."""
-    want = triton.cdiv(PROGRAMS_PER_SM * num_sms * 64, batch * kv_heads * max(head_dim, 64))
+def choose_num_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int) -> int:
+    """Splits of each sequence so that batch * kv_heads * splits programs fill the GPU. Static inputs only
+    (max_tokens = block-table width * page size), so a captured CUDA graph stays valid for any seq_lens."""
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch * kv_heads)
     cap = max(1, max_tokens // MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, cap, MAX_SPLITS))
 
@@ -244,7 +243,7 @@ def launch_paged_decode(q, k, v, k_pool, v_pool, block_table, seq_lens, cos, sin
         raise ValueError(f"head_dim must be a power of two >= 16 for the Triton kernel, got {D}")
     if S & (S - 1):
         raise ValueError(f"page_size must be a power of two for the Triton kernel, got {S}")
-    NS = num_splits or choose_num_splits(B, Hkv, M * S, sm_count(q.device), D)
+    NS = num_splits or choose_num_splits(B, Hkv, M * S, sm_count(q.device))
     # Fewer stages at D = 128: each stage buffers a K and a V tile, and the shared memory per program grows with both.
     num_stages = num_stages or (2 if D >= 128 else 3)
     n_rep = Hq // Hkv

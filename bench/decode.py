@@ -128,15 +128,16 @@ def run_engine(model, prompts, G, new, attn, mode, page_size, sampler, explain: 
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9)
 
 
-def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
+def step_breakdown(engine: Engine, B: int, ctx: int, G: int, prompt_len: int) -> dict:
     """Share of one decode step per part, from graph-timed pieces; attention includes the new token's RoPE and
-    KV store (as the step runs them), norms and the rest are the remainder."""
+    KV store (as the step runs them), norms and the rest are the remainder. Every sequence is at context ctx, on
+    pages laid out as a rollout lays them out: each group of G shares its prompt's full pages (Engine._reserve),
+    so those K/V rows are read by G programs, as in the rollout, not once per sequence."""
     st, kv, m, attn = engine.state, engine.kv, engine.model, engine.cfg.attn
     a = st.step_args(B)
     tok, pos, ctr, seed, limit, done, table, out_tok, out_logp, stops = (
         a[n] for n in ("tok", "pos", "ctr", "seed", "limit", "done", "block_table", "out_tok", "out_logp", "stops"))
-    pages = torch.randperm(kv.num_pages - 1, device="cuda")[: B * table.shape[1]].view(B, -1) + 1
-    table.copy_(pages.int())
+    table.copy_(shared_prompt_pages(kv.num_pages, B, G, table.shape[1], prompt_len // kv.page_size))
     pos.fill_(ctx)
     done.fill_(False)
     limit.fill_(1 << 30)
@@ -168,6 +169,16 @@ def step_breakdown(engine: Engine, B: int, ctx: int) -> dict:
                  sampling=sample_ms)
     return dict(step_ms=full, context=ctx, **{k: round(v, 4) for k, v in parts.items()},
                 shares={k: round(v / full, 3) for k, v in parts.items()})
+
+
+def shared_prompt_pages(num_pages: int, B: int, G: int, M: int, shared: int) -> torch.Tensor:
+    """A block table (B, M) on shuffled pages (never the scratch page 0) whose rows, in groups of G, share their
+    first `shared` pages and own the rest."""
+    groups = B // G
+    perm = torch.randperm(num_pages - 1, device="cuda") + 1
+    common = perm[:groups * shared].view(groups, 1, shared).expand(groups, G, shared).reshape(B, shared)
+    own = perm[groups * shared:groups * shared + B * (M - shared)].view(B, M - shared)
+    return torch.cat([common, own], dim=1).int()                                       # (B, M)
 
 
 HF_MODES = {"dynamic": ("hf_dynamic_cache", {}), "static": ("hf_static_cache", dict(cache_implementation="static"))}
@@ -328,7 +339,7 @@ def main():
                     wl["bandwidth_floor_ms"] = bandwidth_floor_ms(engine, N, mean_ctx, result["copy_tb_s"])
                     wl["matmul_floor_ms"] = time_graph(gemm_chain(engine, N, compiled=True))
                     wl["matmul_floor_cublas_ms"] = time_graph(gemm_chain(engine, N, compiled=False))
-                    wl["breakdown"] = dict(step_breakdown(engine, N, int(mean_ctx)), attn=attn, mode=mode,
+                    wl["breakdown"] = dict(step_breakdown(engine, N, int(mean_ctx), G, int(wl["mean_prompt"])), attn=attn, mode=mode,
                                            sampler=sampler)
                 del engine
             except Exception as e:

@@ -1,7 +1,8 @@
 """Decode-attention microbenchmark: the paged Triton kernel against gather + SDPA and dense SDPA.
 
-For each (sequences, context) point and page size, with Qwen2.5-0.5B heads (Hq=14, Hkv=2, D=64, bf16; --heads for another shape)
-and shuffled pages, times with `triton.testing.do_bench_cudagraph` (median, CUDA-graph replay):
+For each (sequences, context) point and page size, with Qwen2.5-0.5B heads (Hq=14, Hkv=2, D=64, bf16; `--heads`
+picks another published shape's) and shuffled pages, times with `triton.testing.do_bench_cudagraph` (median,
+CUDA-graph replay):
   dense   F.scaled_dot_product_attention on contiguous K/V (the no-paging lower bound)
   gather  the `sdpa` backend: gather pages into padded dense K/V, then SDPA with a length mask
   triton  the paged kernel (`torch.ops.minigrpo.paged_decode_attention`)
@@ -199,7 +200,8 @@ def main():
         points = GPU_POINTS if device == "cuda" else CPU_POINTS
     result = dict(
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu (triton interpreter)",
-        torch=torch.__version__, triton=triton.__version__, heads=dict(zip(("q", "kv", "head_dim"), HEADS[args.heads]), shape=args.heads),
+        torch=torch.__version__, triton=triton.__version__, shape=args.heads,
+        heads=dict(zip(("q", "kv", "head_dim"), HEADS[args.heads])),
         dtype=str(DTYPE[device]), copy_gbps=copy_bandwidth(device, timer), points=[],
     )
     for S in args.page_sizes:

@@ -339,8 +339,8 @@ def main():
                     wl["bandwidth_floor_ms"] = bandwidth_floor_ms(engine, N, mean_ctx, result["copy_tb_s"])
                     wl["matmul_floor_ms"] = time_graph(gemm_chain(engine, N, compiled=True))
                     wl["matmul_floor_cublas_ms"] = time_graph(gemm_chain(engine, N, compiled=False))
-                    wl["breakdown"] = dict(step_breakdown(engine, N, int(mean_ctx), G, int(wl["mean_prompt"])), attn=attn, mode=mode,
-                                           sampler=sampler)
+                    parts = step_breakdown(engine, N, int(mean_ctx), G, int(wl["mean_prompt"]))
+                    wl["breakdown"] = dict(parts, attn=attn, mode=mode, sampler=sampler)
                 del engine
             except Exception as e:
                 traceback.print_exc()

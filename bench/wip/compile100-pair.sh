@@ -1,6 +1,7 @@
-# `bench/h200.sh compile100 [fit]` for main before the merge (.rev/before, 71c628a) and the regional-decode tree (.rev/region), each with a fresh
-# Inductor and Triton cache, so that neither run reuses graphs or kernels another run compiled (session 33:
-# main's run after v4b's on one host found the trainer's graphs cached). Device, ~3 min:
+# `bench/h200.sh compile100 [fit]` for two code versions, .rev/before and .rev/region (session 34: 71c628a and the
+# merged regional decode step, 695e09e), each with a fresh Inductor and Triton cache, so that neither run reuses
+# graphs or kernels another run compiled (session 33: main's run after v4b's on one host found the trainer's
+# graphs cached). Here first: `bash bench/h200.sh revs before=REV region=REV`; carry .rev and .devdata. Device, ~3 min:
 #   STEPS=20 bash bench/wip/compile100-pair.sh        (random weights; add `fit` for the fitted ones, +4 min;
 #   TREES="main region" for one run each)
 set -u

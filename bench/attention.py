@@ -10,6 +10,9 @@ CUDA-graph replay):
 and reports microseconds, ratios, and achieved bandwidth (K/V bytes read / time) next to the device's
 copy bandwidth (bytes read + written / time of a large device-to-device copy) measured in the same run.
 The paged backends also rotate the new token and store its K/V, as in the decode step; dense SDPA does not.
+`--group G --prompt T` lays the pages out as a rollout does: each group of G sequences shares its first T tokens'
+full pages (bench/NOTES.md, session 35: the rollout's attention reads those once from DRAM, then from L2). The
+bandwidth columns then count each shared page once; dense SDPA still reads every sequence's rows.
 
 Inputs rotate over enough copies to exceed ~512 MiB, so each call reads K/V from HBM, not from L2.
 A quick correctness check (triton vs gather) runs at every point before timing.
@@ -43,6 +46,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import minigrpo.kernels.decode_attention as kda  # noqa: E402
+from bench.decode import shared_prompt_pages  # noqa: E402
 from bench.timing import copy_bandwidth_tbs  # noqa: E402
 from minigrpo.engine.attention import decode_attention  # noqa: E402
 
@@ -59,6 +63,8 @@ def parse_args():
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--interpret", action="store_true", help="run Triton under its CPU interpreter")
     p.add_argument("--heads", default="0.5b", choices=list(HEADS), help="the published shape whose heads to use")
+    p.add_argument("--group", type=int, default=1, help="sequences sharing a prompt's pages (a rollout's G)")
+    p.add_argument("--prompt", type=int, default=0, help="tokens of each group's shared prompt")
     p.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
     p.add_argument("--points", default=None, help="override, e.g. '64x512,256x2048' (sequences x context)")
     p.add_argument("--no-eager", action="store_true", help="skip the (slow) eager backend")
@@ -70,6 +76,8 @@ def parse_args():
         p.error("--device cpu needs --interpret (Triton kernels only run on the CPU through its interpreter)")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device: use --device cpu --interpret for a smoke run")
+    if args.group < 1 or args.prompt < 0:
+        p.error(f"--group must be >= 1 and --prompt >= 0, got {args.group} and {args.prompt}")
     return args
 
 
@@ -104,25 +112,28 @@ def copy_bandwidth(device: str, timer) -> float:
     return 2 * src.numel() / (timer(lambda: dst.copy_(src)) * 1e-6) / 1e9
 
 
-def make_paged_set(B, ctx, S, HKV, D, device, gen):
-    """Full-length sequences on shuffled pages: pools (P, S, Hkv, D), block table (B, M)."""
+def make_paged_set(B, ctx, S, HKV, D, device, gen, G, shared):
+    """Full-length sequences on shuffled pages, groups of G sharing their first `shared` pages: pools
+    (P, S, Hkv, D), block table (B, M)."""
     M = math.ceil(ctx / S)
     P = B * M + 8
     k_pool = torch.randn(P, S, HKV, D, device=device, generator=gen).to(DTYPE[device])
     v_pool = torch.randn(P, S, HKV, D, device=device, generator=gen).to(DTYPE[device])
-    block_table = torch.randperm(P, device=device, generator=gen)[:B * M].view(B, M).int()
+    block_table = shared_prompt_pages(P, B, G, M, shared, device, gen)
     return k_pool, v_pool, block_table
 
 
 def bench_point(B, ctx, S, args, timer, gen):
     device = args.device
     HQ, HKV, D = HEADS[args.heads]
-    kv_bytes = 2 * B * ctx * HKV * D * DTYPE[device].itemsize          # K and V
+    # Full prompt pages each group shares; the page the new token is written to stays private, as in a rollout.
+    G, shared = args.group, min(args.prompt, ctx - 1) // S
+    kv_bytes = 2 * (B * ctx - (B - B // G) * shared * S) * HKV * D * DTYPE[device].itemsize  # K and V, shared once
     n_sets = 1 if device == "cpu" else max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes)))
     q, k, v = (torch.randn(B, h, D, device=device, generator=gen).to(DTYPE[device]) for h in (HQ, HKV, HKV))
     cos, sin = (torch.rand(B, D, device=device, generator=gen).to(DTYPE[device]) for _ in range(2))  # (B, D)
     seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
-    paged = [make_paged_set(B, ctx, S, HKV, D, device, gen) for _ in range(n_sets)]
+    paged = [make_paged_set(B, ctx, S, HKV, D, device, gen, G, shared) for _ in range(n_sets)]
     dense = [tuple(torch.randn(B, HKV, ctx, D, device=device, generator=gen).to(DTYPE[device])
                    for _ in range(2)) for _ in range(n_sets)]                              # (B, Hkv, T, D)
     scale = D ** -0.5
@@ -143,7 +154,8 @@ def bench_point(B, ctx, S, args, timer, gen):
     }
     if not args.no_eager:
         us["eager"] = timer(rotating(paged_fn("eager"), paged))
-    row = dict(sequences=B, context=ctx, page_size=S, num_splits=num_splits, kv_mib=kv_bytes / 2**20,
+    row = dict(sequences=B, context=ctx, page_size=S, group=G, shared_pages=shared, num_splits=num_splits,
+               kv_mib=kv_bytes / 2**20,
                input_sets=n_sets, max_abs_err_vs_gather=check, us=us,
                gbps={k: kv_bytes / (t * 1e-6) / 1e9 for k, t in us.items()},
                gather_over_triton=us["gather"] / us["triton"], triton_over_dense=us["triton"] / us["dense"])
@@ -198,6 +210,8 @@ def main():
         points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
     else:
         points = GPU_POINTS if device == "cuda" else CPU_POINTS
+    if any(B % args.group for B, _ in points):
+        sys.exit(f"--group {args.group} must divide every point's sequence count, got {[B for B, _ in points]}")
     result = dict(
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu (triton interpreter)",
         torch=torch.__version__, triton=triton.__version__, shape=args.heads,

@@ -171,11 +171,12 @@ def step_breakdown(engine: Engine, B: int, ctx: int, G: int, prompt_len: int) ->
                 shares={k: round(v / full, 3) for k, v in parts.items()})
 
 
-def shared_prompt_pages(num_pages: int, B: int, G: int, M: int, shared: int, device="cuda") -> torch.Tensor:
+def shared_prompt_pages(num_pages: int, B: int, G: int, M: int, shared: int, device="cuda",
+                        generator: torch.Generator | None = None) -> torch.Tensor:
     """A block table (B, M) on shuffled pages (never the scratch page 0) whose rows, in groups of G, share their
     first `shared` pages and own the rest."""
     groups = B // G
-    perm = torch.randperm(num_pages - 1, device=device) + 1
+    perm = torch.randperm(num_pages - 1, device=device, generator=generator) + 1
     common = perm[:groups * shared].view(groups, 1, shared).expand(groups, G, shared).reshape(B, shared)
     own = perm[groups * shared:groups * shared + B * (M - shared)].view(B, M - shared)
     return torch.cat([common, own], dim=1).int()                                       # (B, M)

@@ -46,8 +46,8 @@ import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import minigrpo.kernels.decode_attention as kda  # noqa: E402
-from bench.decode import shared_prompt_pages  # noqa: E402
 from bench.timing import copy_bandwidth_tbs  # noqa: E402
+from bench.workload import shared_prompt_pages  # noqa: E402
 from minigrpo.engine.attention import decode_attention  # noqa: E402
 
 HEADS = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128), "3b": (16, 2, 128), "7b": (28, 4, 128)}  # (Hq, Hkv, D)

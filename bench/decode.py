@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.timing import copy_bandwidth_tbs, time_graph  # noqa: E402
-from bench.workload import gsm8k_prompts, random_qwen  # noqa: E402
+from bench.workload import gsm8k_prompts, random_qwen, shared_prompt_pages  # noqa: E402
 from minigrpo.engine.attention import decode_attention  # noqa: E402
 from minigrpo.engine.config import EngineConfig  # noqa: E402
 from minigrpo.engine.decode import advance, decode_step  # noqa: E402
@@ -169,17 +169,6 @@ def step_breakdown(engine: Engine, B: int, ctx: int, G: int, prompt_len: int) ->
                  sampling=sample_ms)
     return dict(step_ms=full, context=ctx, **{k: round(v, 4) for k, v in parts.items()},
                 shares={k: round(v / full, 3) for k, v in parts.items()})
-
-
-def shared_prompt_pages(num_pages: int, B: int, G: int, M: int, shared: int, device="cuda",
-                        generator: torch.Generator | None = None) -> torch.Tensor:
-    """A block table (B, M) on shuffled pages (never the scratch page 0) whose rows, in groups of G, share their
-    first `shared` pages and own the rest."""
-    groups = B // G
-    perm = torch.randperm(num_pages - 1, device=device, generator=generator) + 1
-    common = perm[:groups * shared].view(groups, 1, shared).expand(groups, G, shared).reshape(B, shared)
-    own = perm[groups * shared:groups * shared + B * (M - shared)].view(B, M - shared)
-    return torch.cat([common, own], dim=1).int()                                       # (B, M)
 
 
 HF_MODES = {"dynamic": ("hf_dynamic_cache", {}), "static": ("hf_static_cache", dict(cache_implementation="static"))}

@@ -42,6 +42,17 @@ def random_qwen(device="cuda", dtype=torch.bfloat16, seed=0, std=0.02, config_di
     return model.to(dtype).eval()
 
 
+def shared_prompt_pages(num_pages: int, B: int, G: int, M: int, shared: int, device="cuda",
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+    """A block table (B, M) on shuffled pages (never the scratch page 0) whose rows, in groups of G, share their
+    first `shared` pages and own the rest."""
+    groups = B // G
+    perm = torch.randperm(num_pages - 1, device=device, generator=generator) + 1
+    common = perm[:groups * shared].view(groups, 1, shared).expand(groups, G, shared).reshape(B, shared)
+    own = perm[groups * shared:groups * shared + B * (M - shared)].view(B, M - shared)
+    return torch.cat([common, own], dim=1).int()                                       # (B, M)
+
+
 def gsm8k_prompts(n: int, split: str = "test") -> tuple[Tokenizer, list[list[int]]]:
     """The first n GSM8K questions as chat-templated token ids."""
     tok = Tokenizer.from_dir(qwen_dir())

@@ -5,7 +5,7 @@ K/V from DRAM where the rollout reads it once (NOTES, session 35)."""
 
 import torch
 
-from bench.decode import shared_prompt_pages
+from bench.workload import shared_prompt_pages
 from minigrpo.engine.kv_cache import SCRATCH_PAGE
 
 

@@ -372,6 +372,11 @@ def test_a_resume_from_an_earlier_checkpoint_keeps_the_abandoned_future(tmp_path
     assert all(torch.equal(kept[k], before[k]) for k in before)
     assert steps(out) == [1, 2, 3, 4, 5, 6] and latest_step(out) == 6
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000004", "step_000006"]
+    # resuming the abandoned future in place would cut the logs back and keep nothing: refused, nothing changes
+    logs = (out / "metrics.jsonl").read_text()
+    refused = run([*args, "--steps", "8", "--resume", str(aside / "step_000006")])
+    assert refused.returncode == 2 and "is not one of its checkpoints" in refused.stderr.splitlines()[-1]
+    assert (out / "metrics.jsonl").read_text() == logs and latest_step(out) == 6
     again = run([*args, "--steps", "8", "--resume"])  # a resume from the newest abandons nothing
     assert again.returncode == 0 and len(list((out / "checkpoints").glob("abandoned-*"))) == 1
 

@@ -16,7 +16,7 @@ import time
 import warnings
 from pathlib import Path
 
-from minigrpo.run.checkpoints import latest_name
+from minigrpo.run.checkpoints import LATEST, latest_name
 
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "eval.jsonl", "checkpoints", "tensorboard")
 
@@ -59,6 +59,8 @@ def check_out(out: Path, *, resume: str | None, overwrite: bool) -> None:
     if found and _locked(out):
         raise ValueError(_busy(out))
     resumes_out = resume == "" or (resume is not None and Path(resume).resolve().is_relative_to(out.resolve()))
+    if resume and resumes_out:
+        _check_own_checkpoint(out, Path(resume))
     if overwrite and resumes_out:
         raise ValueError("--overwrite moves the run in --out aside, --resume continues it: pass one of them")
     if overwrite and found:
@@ -73,6 +75,18 @@ def check_out(out: Path, *, resume: str | None, overwrite: bool) -> None:
         raise ValueError(f"{held}; add --resume to continue it, choose a new --out, or pass --overwrite to move "
                          f"it aside to {out}.old-<time>")
     raise ValueError(f"{held}; resuming {resume} into it would mix two runs: choose a new --out")
+
+
+def _check_own_checkpoint(out: Path, resume: Path) -> None:
+    """A --resume inside --out names the run, its checkpoints folder or `latest`, or one of its step_N: only these
+    rewind the run (loop._rewind) with its later checkpoints and logs set aside. Anything else there, such as an
+    abandoned future (checkpoints/abandoned-*/), would cut the logs back and keep nothing."""
+    own, path = (out / "checkpoints").resolve(), resume.resolve()
+    if path in (out.resolve(), own, own / LATEST) or path.parent == own:
+        return
+    raise ValueError(f"--resume {resume} lies in --out {out} but is not one of its checkpoints "
+                     f"({out / 'checkpoints'}/step_N); to continue from it, copy it out of {out} and resume it "
+                     f"into a new --out")
 
 
 def _check_movable(out: Path) -> None:

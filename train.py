@@ -37,7 +37,7 @@ import torch
 from minigrpo.engine.config import EngineConfig
 from minigrpo.engine.rollout import make_backend
 from minigrpo.rl import distributed
-from minigrpo.rl.config import WEIGHT_DTYPES, TrainConfig
+from minigrpo.rl.config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig
 from minigrpo.rl.loop import run
 from minigrpo.rl.memory import estimate, fewest_recomputed, leaner
 from minigrpo.rl.train_flags import as_flags, build_parser, flag_names, parse_args, resume_command
@@ -154,11 +154,14 @@ def fit_memory(args, model_cfg, train, test, dist: distributed.Dist) -> TrainCon
             print(f"memory: about {need.total / gib:.1f} of the {free / gib:.1f} GiB free on {args.device} ({need})"
                   f"{auto}", file=sys.stderr)
         return cfg
-    change = leaner(cfg, fits)
+    resuming = args.resume is not None  # a resume takes only the memory settings (RESUMABLE_CHANGES)
+    change = leaner(cfg, fits, RESUMABLE_CHANGES if resuming else None)
     fix = (f"it fits with {as_flags(change)} (about {peak(replace(cfg, **change)).total / gib:.1f} GiB)"
-           if change else "no setting of --weights, --activation-checkpointing, --logprob-chunk-size, "
-           "--offload-reference and --micro-batch-size fits: use a smaller model, or shorter --max-new-tokens or "
-           "prompts")
+           if change else
+           "no memory setting a resume may change fits (--weights does not resume): free GPU memory, or start a new "
+           "run" if resuming else
+           "no setting of --weights, --activation-checkpointing, --logprob-chunk-size, --offload-reference and "
+           "--micro-batch-size fits: use a smaller model, or shorter --max-new-tokens or prompts")
     raise DoesNotFit(f"this run needs about {need.total / gib:.1f} GiB ({need}) and {MEMORY_MARGIN:.0%} more for "
                      f"the allocator, but {args.device} has {free / gib:.1f} GiB free; {fix}")
 
@@ -267,8 +270,8 @@ def _run(trainer: Trainer, dist, out: Path, argv: list[str]) -> int:
     except torch.OutOfMemoryError as e:  # past the estimate (another process took memory, a longer batch than seen)
         if dist.is_main:
             print(f"error: out of GPU memory ({str(e).splitlines()[0]}); {_last_checkpoint(out)}. Resume with a "
-                  f"smaller --micro-batch-size or --score-batch-size, or --recompute-layers auto (memory settings "
-                  f"resume exactly)", file=sys.stderr)
+                  f"smaller --micro-batch-size or --score-batch-size, or --activation-checkpointing --recompute-layers "
+                  f"auto (memory settings resume the same run, rounded differently)", file=sys.stderr)
         return 1
     except OSError as e:  # a full disk or a lost mount mid-run: saves are atomic, so the last complete one stands
         if dist.is_main:

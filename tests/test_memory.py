@@ -269,6 +269,11 @@ def test_leaner_tries_the_cheapest_change_first():
         {"activation_checkpointing": True, "offload_reference": True}
     for no_offload in (cfg, replace(kl, parallel="fsdp")):
         assert train.leaner(no_offload, lambda c: c.offload_reference) is None
+    # a resume takes only RESUMABLE_CHANGES: never bf16 weights, so the fp32 change that fits, or none
+    resumable = train.RESUMABLE_CHANGES
+    assert train.leaner(cfg, lambda c: c.weights == "bf16" or c.micro_batch_size <= 2, resumable) == \
+        {"activation_checkpointing": True, "logprob_chunk_size": 256, "micro_batch_size": 2}
+    assert train.leaner(cfg, lambda c: c.weights == "bf16", resumable) is None
     assert train.as_flags({"weights": "bf16", "activation_checkpointing": True, "micro_batch_size": 8}) == \
         "--weights bf16 --activation-checkpointing --micro-batch-size 8"
 

@@ -180,12 +180,13 @@ def fewest_recomputed(cfg: TrainConfig, layers: int, fits) -> int:
     return next((r for r in range(layers) if fits(replace(cfg, recompute_layers=r))), layers)
 
 
-def leaner(cfg: TrainConfig, fits) -> dict | None:
+def leaner(cfg: TrainConfig, fits, allowed: set[str] | None = None) -> dict | None:
     """The first change to cfg, in order of what it costs, for which fits(changed cfg) holds: the KL reference
     offloaded (where there is one: under 1% of a 7B step), a smaller micro-batch (down to a quarter), activation
     checkpointing (one more forward), 256-token LM-head chunks, bf16 weights, and their combinations; last, the
     leanest settings with micro-batches down to 1 row. A change the config refuses (bf16 weights with a weight
-    decay they cannot carry) is passed over. Returns the changed TrainConfig fields, or None when nothing fits."""
+    decay they cannot carry) is passed over, and so is one touching a field outside `allowed` (a resume's
+    RESUMABLE_CHANGES: it refuses bf16 weights). Returns the changed TrainConfig fields, or None when nothing fits."""
     checkpointed = {"activation_checkpointing": True, "logprob_chunk_size": 256}
     lean = {"weights": "bf16", **checkpointed}
     changes = [{}, {"activation_checkpointing": True}, checkpointed,
@@ -199,6 +200,8 @@ def leaner(cfg: TrainConfig, fits) -> dict | None:
         if 0 < cfg.logprob_chunk_size < change.get("logprob_chunk_size", 0):
             del change["logprob_chunk_size"]  # never a larger chunk
         diff = {k: v for k, v in change.items() if getattr(cfg, k) != v}
+        if allowed is not None and not diff.keys() <= allowed:
+            continue
         changed = _replaced(cfg, diff) if diff else None
         if changed is not None and fits(changed):
             return diff

@@ -147,7 +147,7 @@ def _small_train_file(tmp_path, lines=3):
     return path
 
 
-def test_resume_refuses_another_template(tmp_path, tiny_qwen_dir):
+def test_resume_refuses_another_template_not_a_typed_default(tmp_path, tiny_qwen_dir):
     common = ["train.py", "--model-dir", str(tiny_qwen_dir), "--train-data", str(_small_train_file(tmp_path)),
               "--eval-every", "0", "--device", "cpu", "-B", "2", "-G", "2", "--max-new-tokens", "3",
               "--out", str(tmp_path / "run")]
@@ -155,6 +155,8 @@ def test_resume_refuses_another_template(tmp_path, tiny_qwen_dir):
     proc = run([*common, "--steps", "2", "--template", "r1", "--resume"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "task: checkpoint 'gsm8k chat' vs now 'gsm8k r1'" in proc.stderr.splitlines()[-1]
+    typed = run([*common, "--steps", "2", "--reward", "numeric", "--resume"])  # gsm8k's own reward, named
+    assert typed.returncode == 0, typed.stderr[-2000:]
 
 
 def test_a_data_error_is_one_line_at_load_with_file_and_line(tmp_path, tiny_qwen_dir):

@@ -20,7 +20,7 @@ from minigrpo.rl.sequences import SequenceBatch, completion_logprobs, pad_rows
 from minigrpo.rl.trainer import Trainer
 from minigrpo.run.checkpoints import STATE_FILE
 from minigrpo.run.metrics import MetricsLogger, PhaseTimer, compile_seconds
-from minigrpo.tasks.synthetic import CharTokenizer, FirstDigitTask, tiny_policy
+from minigrpo.tasks.synthetic import CharTokenizer, CopyTask, FirstDigitTask, tiny_policy
 from minigrpo.tasks.templates import Stops
 
 STOP, PAD = 31, 0
@@ -392,13 +392,13 @@ def test_several_minibatches_score_the_old_policy_in_a_separate_pass(tmp_path):
 # ------------------------------------------------------------------------------------------ learning and resume
 
 
-def _synthetic_trainer(out_dir, attn="reference", model_seed=0, task_seed=0, **overrides):
+def _synthetic_trainer(out_dir, attn="reference", model_seed=0, task_seed=0, task_cls=FirstDigitTask, **overrides):
     tokenizer = CharTokenizer()
     cfg = TrainConfig(**{"prompts_per_step": 16, "samples_per_prompt": 8, "max_new_tokens": 3, "lr": 1e-3,
                          "micro_batch_size": 128, "eval_every": 0, "sample_every": 0, "save_every": 0,
                          "steps": 150, **overrides})
     model = tiny_policy(tokenizer.vocab_size, seed=model_seed).to(WEIGHT_DTYPES[cfg.weights])
-    task = FirstDigitTask(tokenizer, 10_000, seed=task_seed)
+    task = task_cls(tokenizer, 10_000, seed=task_seed)
     backend = make_backend(attn, model, pad_id=tokenizer.pad_id, max_seq_len=16)  # an engine shares fp32 weights
     return Trainer(cfg, model, tokenizer, task, backend, out_dir, echo=False)
 
@@ -470,12 +470,19 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, weights, attn):
         _synthetic_trainer(tmp_path / "other", **{**cfg, "lr": 1e-3}).resume(ckpt)
     with pytest.raises(ValueError, match=r"cannot resume exactly: the training prompts \(--train-data.*differ"):
         _synthetic_trainer(tmp_path / "data", task_seed=1, **cfg).resume(ckpt)  # as many examples, other ones
+    with pytest.raises(ValueError, match=r"cannot resume exactly: the training answers \(--train-data"):
+        _synthetic_trainer(tmp_path / "answers", task_cls=CopyTask, **cfg).resume(ckpt)  # same prompts, other answers
     with pytest.raises(ValueError, match=r"cannot resume exactly: the KL reference's weights \(the initial model"):
         _synthetic_trainer(tmp_path / "model", model_seed=1, **cfg).resume(ckpt)  # same shape, another model
     leaner = _synthetic_trainer(tmp_path / "leaner", **{**cfg, "micro_batch_size": 8, "logprob_chunk_size": 64})
     leaner.resume(ckpt)  # memory-only settings: what the memory check suggests after an out-of-memory stop
     assert leaner.step_idx == 2
     state = torch.load(ckpt / STATE_FILE, weights_only=True)
+    del state["inputs"]["answers"]  # a checkpoint from before the answers were recorded: the rest is checked
+    torch.save(state, ckpt / STATE_FILE)
+    _synthetic_trainer(tmp_path / "older", **cfg).resume(ckpt)
+    with pytest.raises(ValueError, match=r"the training prompts \(--train-data.*differ"):
+        _synthetic_trainer(tmp_path / "older_data", task_seed=1, **cfg).resume(ckpt)
     del state["inputs"]  # without its fingerprints a resume could not tell another data set or model
     torch.save(state, ckpt / STATE_FILE)
     with pytest.raises(ValueError, match=r"trainer_state.pt cannot be read \(KeyError: 'it lacks inputs'\)"):

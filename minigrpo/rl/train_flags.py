@@ -20,6 +20,7 @@ import torch
 from minigrpo.engine.rollout import ATTN_BACKENDS
 from minigrpo.rl.config import PARALLEL, TrainConfig
 from minigrpo.run.cli import OneLineParser, parse_device
+from minigrpo.tasks.qa import SOURCES
 from minigrpo.tasks.task import add_task_flags
 
 # --preset sets these defaults; any flag given on the command line still wins.
@@ -194,6 +195,12 @@ def layer_count(text: str) -> int | str:
     raise argparse.ArgumentTypeError(f"expected a number of layers or auto, got {text!r}")
 
 
+def _own_reward(args) -> str | None:
+    """--reward as the run records it (TrainConfig.task): None for the task's own, so that typing it changes
+    nothing a resume compares."""
+    return args.reward if args.reward != SOURCES[args.task].reward else None
+
+
 def parse_args(argv: list[str] | None = None, description: str = "") -> argparse.Namespace:
     """The flags of argv (default: sys.argv), checked, with args.cfg the TrainConfig they set; a bad one exits
     with one line (OneLineParser). description: --help's text (train.py's docstring)."""
@@ -215,7 +222,7 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> argparse
             **same, "kl_beta": args.beta, "betas": tuple(args.betas),
             "recompute_layers": None if args.recompute_layers == "auto" else args.recompute_layers,  # settled later
             "task": (args.preset if args.preset != "gsm8k"
-                     else " ".join(filter(None, (args.task, args.template, args.reward)))),
+                     else " ".join(filter(None, (args.task, args.template, _own_reward(args))))),
             # the reference generator runs the policy itself at every length: compiled, a recompile per token
             "compile_policy": (args.compile_policy if args.compile_policy is not None
                                else device.type == "cuda" and args.attn != "reference")})

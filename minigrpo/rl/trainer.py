@@ -47,6 +47,7 @@ from minigrpo.run.metrics import PhaseTimer
 from minigrpo.run.stopping import NonFiniteError, nonfinite
 
 INPUTS = {"prompts": "the training prompts (--train-data, --task, --template or the tokenizer)",
+          "answers": "the training answers (--train-data or --answer-field)",
           "reference": "the KL reference's weights (the initial model, --model-dir)"}  # Trainer.inputs, in words
 RECOMPILE_LIMIT = 32  # graphs one compiled decoder layer may need before that is an error (_fail_past_recompile_limit)
 # Inductor fuses a norm's two backward reductions (over rows, over columns) above a size and by default guards on it:
@@ -92,9 +93,10 @@ def _compile_layers(models: list) -> None:
 
 def _inputs(task, ref) -> dict[str, str]:
     """What a resume must find as the checkpoint left it, besides the config: the training prompts (data, template
-    and tokenizer), and the KL anchor, read again from the initial model (Trainer.resume): the first values of each
-    tensor, enough to tell another model apart."""
-    inputs = {"prompts": fingerprint(np.asarray(task.prompt(i), np.int64).tobytes() for i in range(len(task)))}
+    and tokenizer), the answers the rewards check, and the KL anchor, read again from the initial model
+    (Trainer.resume): the first values of each tensor, enough to tell another model apart."""
+    inputs = {"prompts": fingerprint(np.asarray(task.prompt(i), np.int64).tobytes() for i in range(len(task))),
+              "answers": fingerprint(str(task.describe(i)["ground_truth"]).encode() for i in range(len(task)))}
     if ref is not None:  # a copy: numpy sharing a parameter's storage pins its size
         inputs["reference"] = fingerprint(p.detach().reshape(-1)[:1024].to("cpu", copy=True).view(torch.uint8)
                                           .numpy().tobytes() for p in ref.parameters())
@@ -385,7 +387,8 @@ class Trainer:
             diffs = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items())
             raise ValueError(f"cannot resume exactly: settings differ from the checkpoint's ({diffs}); "
                              f"rerun with the original values")
-        other = [INPUTS[k] for k, v in self.inputs.items() if state["inputs"].get(k) != v]
+        # an input a checkpoint of an earlier version did not record (the answers) is not checked
+        other = [INPUTS[k] for k, v in self.inputs.items() if state["inputs"].get(k, v) != v]
         if other:
             raise ValueError(f"cannot resume exactly: {' and '.join(other)} differ from the checkpoint's; resume "
                              f"with the run's own")

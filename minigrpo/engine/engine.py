@@ -32,6 +32,7 @@ from minigrpo.model.config import ModelConfig
 from minigrpo.model.generate import Rollout
 from minigrpo.model.qwen2 import Qwen2ForCausalLM
 from minigrpo.model.sampling import SamplingParams
+from minigrpo.model.transfer import to_device
 
 
 class Engine:
@@ -116,13 +117,14 @@ class Engine:
             finished = [i for i in range(n) if done[i]]
             if finished:
                 # Finished slots no longer change (done slots store nothing), so their rows can be gathered
-                # behind the step still running, and their pages reused by the next prefill (same stream).
-                idx = torch.tensor(finished, device=self.device)
+                # behind the step still running, and their pages reused by the next prefill (same stream). The
+                # indices are queued copies (to_device), not host syncs that would wait for that step.
+                idx = to_device(torch.tensor(finished, dtype=torch.long), self.device)
                 finished_rows.append(([slot_seq[i] for i in finished], st.ctr[idx], st.out_tok[idx], st.out_logp[idx]))
                 for i in finished:
                     self.kv.release(seq_pages.pop(slot_seq[i]))
                 keep = [i for i in range(n) if not done[i]]
-                st.compact(torch.tensor(keep, dtype=torch.long, device=self.device), n)
+                st.compact(to_device(torch.tensor(keep, dtype=torch.long), self.device), n)
                 slot_seq = [slot_seq[i] for i in keep]
         return finished_rows
 
@@ -190,7 +192,7 @@ class Engine:
         for r, g in enumerate(groups):
             t = torch.arange(lens[r])                    # sample 0 holds the partial page during prefill
             slots[r, :lens[r]] = torch.tensor(seq_pages[g * G])[t // S] * S + t % S
-        logits = self.runner.prefill(ids.to(dev), torch.tensor(lens, device=dev), slots.to(dev))  # (groups, V)
+        logits = self.runner.prefill(*(to_device(t, dev) for t in (ids, torch.tensor(lens), slots)))  # (groups, V)
         partial = [(g, n // S) for g, n in zip(groups, lens) if n % S]  # partial prompt pages: sample 0's to 1..G-1
         self.kv.copy_pages([seq_pages[g * G][i] for g, i in partial for _ in range(1, G)],
                            [seq_pages[g * G + j][i] for g, i in partial for j in range(1, G)])
@@ -202,16 +204,16 @@ class Engine:
         into the rows after the live slots, [first_slot, first_slot + rows)."""
         st, dev = self.state, self.device
         rows = torch.arange(first_slot, first_slot + len(seq_ids), device=dev)
-        seed = torch.tensor(seeds, dtype=torch.int64, device=dev)
+        seed = to_device(torch.tensor(seeds, dtype=torch.int64), dev)
         first, first_logp = sample_tokens(logits, params, seed, torch.zeros_like(seed), self.cfg.sampler)
         M = st.block_table.shape[1]  # one tensor for all the new rows, not one per sequence (host time)
         table = torch.tensor([p + [SCRATCH_PAGE] * (M - len(p)) for p in pages], dtype=torch.int32)  # (rows, M)
         st.tok[rows] = first
-        st.pos[rows] = torch.tensor(prompt_lens, device=dev)
+        st.pos[rows] = to_device(torch.tensor(prompt_lens), dev)
         st.ctr[rows] = 1
         st.seed[rows] = seed
         st.limit[rows] = max_new
-        st.block_table[rows] = table.to(dev)
+        st.block_table[rows] = to_device(table, dev)
         st.out_tok[rows, 0] = first
         st.out_logp[rows, 0] = first_logp
         st.done[rows] = ends_with_stop(st.out_tok[rows], st.ctr[rows], st.stops) | (max_new <= 1)

@@ -3,8 +3,9 @@
 A sequence owns a list of pages (its block table), so it needs no contiguous memory and pages can be
 shared: the G samples of a prompt share its full pages, counted by reference, and each owns a copy of
 the partial last page plus the pages it generates into. Page 0 is never handed out: a padded prefill's pad
-tokens write into it, and unused block-table entries point at it so that every index a static-shape step
-reads is in range (an empty or finished decode slot stores nothing). Pages are handed out between decode
+tokens write into it, and a new slot's unused block-table entries point at it. A finished slot's row keeps the
+ids of pages since freed: every index a static-shape step reads is in range either way, and a slot with
+seq_len 0 (empty or finished) stores nothing and attends over nothing. Pages are handed out between decode
 steps, never inside the step.
 
 Shape legend: L layers, P pages, S page size (token slots per page), Hkv kv heads, D head dim.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from minigrpo.model.config import ModelConfig
+from minigrpo.model.transfer import to_device
 
 SCRATCH_PAGE = 0
 
@@ -65,7 +67,7 @@ class KVCache:
         assert len(src) == len(dst) and not set(src) & set(dst), "copy_pages: src and dst must pair up, disjoint"
         if not src:
             return
-        s, d = (torch.tensor(x, dtype=torch.long, device=self.k[0].device) for x in (src, dst))
+        s, d = (to_device(torch.tensor(x, dtype=torch.long), self.k[0].device) for x in (src, dst))
         for pool in self.k + self.v:
             pool.index_copy_(0, d, pool.index_select(0, s))
 

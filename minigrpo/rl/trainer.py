@@ -96,7 +96,7 @@ def _inputs(task, ref) -> dict[str, str]:
     and tokenizer), the answers the rewards check, and the KL anchor, read again from the initial model
     (Trainer.resume): the first values of each tensor, enough to tell another model apart."""
     inputs = {"prompts": fingerprint(np.asarray(task.prompt(i), np.int64).tobytes() for i in range(len(task))),
-              "answers": fingerprint(str(task.describe(i)["ground_truth"]).encode() for i in range(len(task)))}
+              "answers": fingerprint(str(task.describe(i).get("ground_truth", "")).encode() for i in range(len(task)))}
     if ref is not None:  # a copy: numpy sharing a parameter's storage pins its size
         inputs["reference"] = fingerprint(p.detach().reshape(-1)[:1024].to("cpu", copy=True).view(torch.uint8)
                                           .numpy().tobytes() for p in ref.parameters())
@@ -244,15 +244,15 @@ class Trainer:
             old_logp, entropy = torch.zeros_like(rows.rollout_logp), torch.zeros_like(rows.rollout_logp)
         sums = UpdateSums(self.device)
         for k, epoch, minibatch, count in self._minibatches(rows, train_all):  # _optimizer_step leaves no gradient
-            for u, (micro, last, weight) in enumerate(self._micro_batches(minibatch, count)):
+            for u, (micro, last, scale) in enumerate(self._micro_batches(minibatch, count)):
                 mb, idx = rows.batch.select(micro), to_device(torch.tensor(micro), self.device)  # m rows, (m,)
                 with self.policy.accumulate(u == 0, last):  # the last backward reduces (DDP / FSDP)
-                    logp = self._forward(mb, idx, old_logp, entropy, fill and epoch == 0 and weight > 0)
-                    if weight and not fill and not sums.norms:  # no optimizer step yet: the old policy, scored twice
+                    logp = self._forward(mb, idx, old_logp, entropy, fill and epoch == 0 and scale > 0)
+                    if scale and not fill and not sums.norms:  # no optimizer step yet: the old policy, scored twice
                         sums.add_old_gap(logp, old_logp[idx, :mb.C], mb.mask)
                     loss, stats = self._loss(logp, mb.mask, idx, rows, old_logp, ref_logp)
-                    (loss * weight).backward()
-                if weight:
+                    (loss * scale).backward()
+                if scale:  # 0: a stand-in micro-batch (_micro_batches)
                     sums.add(loss, stats, mb.mask.sum())
             sums.norms.append(self._optimizer_step(k))
         return sums.metrics(self.dist, with_kl=ref_logp is not None, with_old_gap=not fill), old_logp, entropy
@@ -271,10 +271,10 @@ class Trainer:
         its truncated importance weight (unless --no-tis)."""
         cfg, C = self.cfg, logp.shape[1]
         old = old_logp[idx, :C]
-        weight = truncated_is_weights(old, rows.rollout_logp[idx, :C], cfg.tis_cap) if cfg.tis else None
+        tis = truncated_is_weights(old, rows.rollout_logp[idx, :C], cfg.tis_cap) if cfg.tis else None
         return dr_grpo_loss(logp, old, rows.adv[idx], mask, eps_low=cfg.eps, eps_high=cfg.eps_high,
                             ref_logp=ref_logp[idx, :C] if ref_logp is not None else None, beta=cfg.kl_beta,
-                            max_new_tokens=cfg.max_new_tokens, num_sequences=cfg.rows_per_minibatch, is_weight=weight)
+                            max_new_tokens=cfg.max_new_tokens, num_sequences=cfg.rows_per_minibatch, is_weight=tis)
 
     # ------------------------------------------------------------------------------------------- plumbing
 
@@ -295,7 +295,7 @@ class Trainer:
                     yield epoch * (N // M) + start // M, epoch, mine, -(-most // cfg.micro_batch_size)
 
     def _micro_batches(self, minibatch: list[int], count: int):
-        """(rows, last, loss weight) of each of `count` micro-batches, in row order: a prompt's rows are
+        """(rows, last, loss scale) of each of `count` micro-batches, in row order: a prompt's rows are
         neighbours, so a micro-batch packs few distinct prompts (each loss is normalised by the whole
         minibatch: the grouping leaves the gradient as it is). Past its own rows a rank backwards a stand-in row at
         weight 0: every rank makes the same backwards."""

@@ -21,7 +21,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from minigrpo.kernels.decode_attention import INTERPRETED, check_runnable
-from minigrpo.model.sampling import M31  # the reference's hash mask: the fused draw must be the same draw
+
+M31 = 0x7FFFFFFF  # the hash's 31-bit mask, and the index of the chunk draw's uniform, as in the reference
 
 
 @triton.jit

@@ -507,7 +507,8 @@ def test_out_of_memory_mid_run_is_one_line_that_says_how_to_resume(tmp_path):
     assert proc.stderr.splitlines()[-1] == (
         f"error: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB.); the last complete checkpoint "
         f"is {out}/checkpoints/step_000002. Resume with a smaller --micro-batch-size or --score-batch-size, or "
-        f"--recompute-layers auto (memory settings resume exactly)")
+        f"--activation-checkpointing --recompute-layers auto (memory settings resume the same run, rounded "
+        f"differently)")
 
 
 def _comparable(path: Path) -> list[dict]:

@@ -202,6 +202,13 @@ def test_decode_step_traces_with_zero_graph_breaks(attn):
     assert len(calls) == 2 * layers - 1 and len({n.args[1] for n in calls}) == 2
 
 
+@pytest.mark.parametrize("kernel", [dict(attn="triton"), dict(attn="sdpa", sampler="triton")])
+def test_a_compiled_step_over_triton_on_the_cpu_is_one_line_at_construction(model, kernel):
+    # Inductor cannot compile around Triton's CPU interpreter: refused at once, not deep in the first generate.
+    with pytest.raises(ValueError, match="cannot compile Triton kernels run by Triton's CPU interpreter"):
+        make_engine(model, compile="step", **kernel)
+
+
 @pytest.mark.slow
 def test_compiled_step_equals_reference_and_compiles_once_for_every_bucket(model, prompts):
     # The batch dimension is dynamic: one graph serves buckets 16 and 8 (with static shapes, one each).

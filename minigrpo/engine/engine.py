@@ -41,6 +41,9 @@ class Engine:
         device = torch.device(device)
         if cfg.cuda_graphs and device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device; use cuda_graphs=False on the CPU")
+        if cfg.compile == "step" and device.type != "cuda" and "triton" in (cfg.attn, cfg.sampler):
+            raise ValueError("compile='step' cannot compile Triton kernels run by Triton's CPU interpreter; on the "
+                             "CPU use compile='none' with attn or sampler 'triton' (--compile none)")
         self.model_cfg, self.cfg, self.device = model_cfg, cfg, device
         self.model = DecodeModel(model_cfg, dtype, device, max_positions=cfg.max_seq_len)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None

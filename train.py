@@ -156,12 +156,14 @@ def fit_memory(args, model_cfg, train, test, dist: distributed.Dist) -> TrainCon
         return cfg
     resuming = args.resume is not None  # a resume takes only the memory settings (RESUMABLE_CHANGES)
     change = leaner(cfg, fits, RESUMABLE_CHANGES if resuming else None)
-    fix = (f"it fits with {as_flags(change)} (about {peak(replace(cfg, **change)).total / gib:.1f} GiB)"
-           if change else
-           "no memory setting a resume may change fits (--weights does not resume): free GPU memory, or start a new "
-           "run" if resuming else
-           "no setting of --weights, --activation-checkpointing, --logprob-chunk-size, --offload-reference and "
-           "--micro-batch-size fits: use a smaller model, or shorter --max-new-tokens or prompts")
+    if change:
+        fix = f"it fits with {as_flags(change)} (about {peak(replace(cfg, **change)).total / gib:.1f} GiB)"
+    elif resuming:
+        fix = ("no memory setting a resume may change fits (--weights does not resume): free GPU memory, or start a "
+               "new run")
+    else:
+        fix = ("no setting of --weights, --activation-checkpointing, --logprob-chunk-size, --offload-reference and "
+               "--micro-batch-size fits: use a smaller model, or shorter --max-new-tokens or prompts")
     raise DoesNotFit(f"this run needs about {need.total / gib:.1f} GiB ({need}) and {MEMORY_MARGIN:.0%} more for "
                      f"the allocator, but {args.device} has {free / gib:.1f} GiB free; {fix}")
 

@@ -155,8 +155,7 @@ def bench_point(B, ctx, S, args, timer, gen):
     if not args.no_eager:
         us["eager"] = timer(rotating(paged_fn("eager"), paged))
     row = dict(sequences=B, context=ctx, page_size=S, group=G, shared_pages=shared, num_splits=num_splits,
-               kv_mib=kv_bytes / 2**20,
-               input_sets=n_sets, max_abs_err_vs_gather=check, us=us,
+               kv_mib=kv_bytes / 2**20, input_sets=n_sets, max_abs_err_vs_gather=check, us=us,
                gbps={k: kv_bytes / (t * 1e-6) / 1e9 for k, t in us.items()},
                gather_over_triton=us["gather"] / us["triton"], triton_over_dense=us["triton"] / us["dense"])
     if args.sweep:

@@ -310,3 +310,36 @@ def test_stop_sequences_end_the_engine_where_the_reference_is_cut(model, prompts
     assert sum(map(len, out.tokens)) < sum(map(len, ref.tokens))
     with pytest.raises(ValueError, match="token sequences of 1 to 4 tokens"):
         make_engine(model).generate(prompts, G, 20, GREEDY, stop_ids=STOP + ((1, 2, 3, 4, 5),))
+
+
+@pytest.mark.gpu
+def test_a_rollout_waits_for_the_gpu_only_to_read_its_done_mask(prompts, monkeypatch):
+    # The fast path (Triton attention and sampler, compiled step, CUDA graphs): between rounds the host admits,
+    # collects and compacts slots while the round's last step runs. A synchronising call there (a pageable copy,
+    # .item()) would idle the GPU at every round. Sync debug mode raises on those; it does not see the done mask's
+    # event wait, the one wait a round makes. The final collection (engine._collect) waits once, by design.
+    import minigrpo.engine.engine as engine_module
+
+    stops = tuple(range(0, 256, 16))  # MAX_STOPS ids: most sequences stop early, in different rounds
+    engine = Engine(CFG, EngineConfig(attn="triton", sampler="triton", compile="step", cuda_graphs=True,
+                                      page_size=8, max_batch=16, max_seq_len=64, sync_every=4), device="cuda")
+    engine.load_weights(random_model(CFG, seed=0, std=0.2, dtype=torch.bfloat16, device="cuda"))
+    params, seeds = SamplingParams(temperature=0.9), list(range(len(prompts) * G))
+
+    def rollout():
+        return engine.generate(prompts, G, 40, params, stop_ids=stops, seeds=seeds)
+    warm = rollout()  # compiles the step and captures each bucket the same rollout meets again
+    lengths = [len(t) for t in warm.tokens]
+    assert min(lengths) < 36 and len(set(lengths)) > 3, lengths  # slots finish in several rounds, not all at once
+    collect = engine_module._collect
+
+    def collect_after_the_rounds(*args):
+        torch.cuda.set_sync_debug_mode(0)
+        return collect(*args)
+    monkeypatch.setattr(engine_module, "_collect", collect_after_the_rounds)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert rollout().tokens == warm.tokens
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -77,8 +77,8 @@ class Engine:
         self._check_request(prompts, G, max_new_tokens, seeds)
         seeds = list(seeds) if seeds is not None else list(range(N))
         # One stop id or token sequence per row of st.stops, right-aligned (decode.ends_with_stop): one copy.
-        st.stops.copy_(torch.tensor([(ANY_TOKEN,) * (STOP_LEN - len(s)) + s for s in stops]
-                                    + [(NO_STOP,) * STOP_LEN] * (MAX_STOPS - len(stops))))
+        st.stops.copy_(to_device(torch.tensor([(ANY_TOKEN,) * (STOP_LEN - len(s)) + s for s in stops]
+                                              + [(NO_STOP,) * STOP_LEN] * (MAX_STOPS - len(stops))), self.device))
         seq_pages: dict[int, list[int]] = {}  # pages held by each admitted, unfinished sequence
         try:
             finished_rows = self._decode_all(prompts, G, max_new_tokens, params, seeds, seq_pages)
@@ -87,14 +87,7 @@ class Engine:
                 self.kv.release(pages)
             st.done.fill_(True)
             raise
-        tokens: list[list[int] | None] = [None] * N
-        logprobs: list[list[float] | None] = [None] * N
-        for seqs, lens, rows_tok, rows_logp in finished_rows:
-            lens = lens.tolist()
-            w = max(lens)  # rows are W = max_seq_len + 1 wide; convert only the columns in use
-            for seq, n_tok, row_tok, row_logp in zip(seqs, lens, rows_tok[:, :w].tolist(), rows_logp[:, :w].tolist()):
-                tokens[seq], logprobs[seq] = row_tok[:n_tok], row_logp[:n_tok]
-        return Rollout(tokens, logprobs)
+        return _collect(finished_rows, N)
 
     def _decode_all(self, prompts, G, max_new_tokens, params, seeds, seq_pages) -> list[tuple]:
         """The rounds of admission, decoding and collection (module doc) until every sequence has finished.
@@ -220,6 +213,19 @@ class Engine:
         st.out_tok[rows, 0] = first
         st.out_logp[rows, 0] = first_logp
         st.done[rows] = ends_with_stop(st.out_tok[rows], st.ctr[rows], st.stops) | (max_new <= 1)
+
+def _collect(finished_rows: list[tuple], N: int) -> Rollout:
+    """The rows gathered at each sync -> the rollout's N completions in sequence order: the one host sync of a
+    rollout that waits for the GPU to finish (the rounds' done-mask reads wait for one step only)."""
+    tokens: list[list[int] | None] = [None] * N
+    logprobs: list[list[float] | None] = [None] * N
+    for seqs, lens, rows_tok, rows_logp in finished_rows:
+        lens = lens.tolist()
+        w = max(lens)  # rows are W = max_seq_len + 1 wide; convert only the columns in use
+        for seq, n_tok, row_tok, row_logp in zip(seqs, lens, rows_tok[:, :w].tolist(), rows_logp[:, :w].tolist()):
+            tokens[seq], logprobs[seq] = row_tok[:n_tok], row_logp[:n_tok]
+    return Rollout(tokens, logprobs)
+
 
 def _stop_rows(stop_ids, vocab: int) -> list[tuple[int, ...]]:
     """stop_ids -> one token tuple per stop (an id is a 1-token sequence), or a one-line error."""

@@ -139,7 +139,7 @@ def test_budget_too_small_for_one_group_is_a_clear_error(model, prompts):
     (dict(prompts=[[]], G=1, new=4), "every prompt at least one token"),
     (dict(prompts=[[1, 999]], G=1, new=4), r"prompt token ids must be in \[0, 256\)"),
     (dict(prompts=[[1]], G=17, new=4), "samples_per_prompt must be in"),
-    (dict(prompts=[[1]], G=2, new=4, seeds=[1]), "need one seed per sequence"),
+    (dict(prompts=[[1]], G=2, new=4, seeds=[1]), r"one seed per completion \(2 = 1 prompts x 2 samples\), got 1"),
     (dict(prompts=[[1]], G=1, new=4, stop_ids=(-1,)), r"ids in \[0, 256\)"),  # -1 would match any token
     (dict(prompts=[[1]], G=1, new=4, stop_ids=((3, 256),)), r"ids in \[0, 256\)"),
     (dict(prompts=[[1]], G=1, new=4, stop_ids=27), "stop_ids must be a tuple"),

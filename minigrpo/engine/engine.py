@@ -29,7 +29,7 @@ from minigrpo.engine.decode import ANY_TOKEN, NO_STOP, DecodeModel, ends_with_st
 from minigrpo.engine.kv_cache import SCRATCH_PAGE, KVCache, OutOfPages
 from minigrpo.engine.runner import MAX_STOPS, STOP_LEN, SlotState, StepRunner
 from minigrpo.model.config import ModelConfig
-from minigrpo.model.generate import Rollout
+from minigrpo.model.generate import Rollout, check_rollout_request
 from minigrpo.model.qwen2 import Qwen2ForCausalLM
 from minigrpo.model.sampling import SamplingParams
 from minigrpo.model.transfer import to_device
@@ -151,8 +151,7 @@ class Engine:
 
     def _check_request(self, prompts, G, max_new_tokens, seeds) -> None:
         """One-line errors for a request the engine cannot serve (the stops: _stop_rows)."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate needs at least one prompt, and every prompt at least one token")
+        check_rollout_request(prompts, G, seeds)
         if G < 1 or G > self.cfg.max_batch:
             raise ValueError(f"samples_per_prompt must be in [1, max_batch={self.cfg.max_batch}], got {G}")
         if max_new_tokens < 1:
@@ -162,8 +161,6 @@ class Engine:
             raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the engine's "
                              f"max_seq_len {self.cfg.max_seq_len}; raise EngineConfig.max_seq_len")
         vocab = self.model_cfg.vocab_size
-        if seeds is not None and len(seeds) != len(prompts) * G:
-            raise ValueError(f"need one seed per sequence ({len(prompts) * G}), got {len(seeds)}")
         if any(t < 0 or t >= vocab for p in prompts for t in p):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         need, prompt_len = max((self._pages_for(len(p), G, max_new_tokens), len(p)) for p in prompts)

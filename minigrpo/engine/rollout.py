@@ -15,7 +15,7 @@ import os
 import torch
 
 from minigrpo.engine.config import BACKENDS, EngineConfig
-from minigrpo.model.generate import Rollout, generate
+from minigrpo.model.generate import Rollout, check_rollout_request, generate
 from minigrpo.model.qwen2 import Qwen2ForCausalLM
 
 ATTN_BACKENDS = ("reference", *BACKENDS)
@@ -30,11 +30,7 @@ class ReferenceBackend:
 
     def generate(self, prompts, samples_per_prompt, max_new_tokens, params, stop_ids, seeds) -> Rollout:
         expanded = [p for p in prompts for _ in range(samples_per_prompt)]  # group-major
-        if not prompts or any(len(p) == 0 for p in prompts):  # the engine's check: the last prompt token scores
-            raise ValueError("generate needs at least one prompt, and every prompt at least one token")
-        if len(seeds) != len(expanded):
-            raise ValueError(f"need one seed per completion ({len(expanded)} = {len(prompts)} prompts x "
-                             f"{samples_per_prompt} samples), got {len(seeds)}")
+        check_rollout_request(prompts, samples_per_prompt, seeds)
         on_cuda = next(self.model.parameters()).device.type == "cuda"
         was_training = self.model.training
         self.model.eval()

@@ -23,6 +23,17 @@ class Rollout:
     logprobs: list[list[float]]  # log-prob of each token under the distribution it was sampled from
 
 
+def check_rollout_request(prompts: list[list[int]], samples_per_prompt: int, seeds: list[int] | None) -> None:
+    """One-line errors for a request no rollout backend can serve: no prompt or an empty one (the last prompt
+    token's logits give the first sample), or not one seed per completion."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and every prompt at least one token")
+    n = len(prompts) * samples_per_prompt
+    if seeds is not None and len(seeds) != n:
+        raise ValueError(f"need one seed per completion ({n} = {len(prompts)} prompts x {samples_per_prompt} "
+                         f"samples), got {len(seeds)}")
+
+
 @torch.no_grad()
 def generate(model: Qwen2ForCausalLM, prompts: list[list[int]], max_new_tokens: int, *, params: SamplingParams = GREEDY,
              stop_ids: tuple[int, ...] = (), pad_id: int = 0, seeds: list[int] | None = None) -> Rollout:

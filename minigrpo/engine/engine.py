@@ -196,7 +196,8 @@ class Engine:
         """Sample each new sequence's first token from its prompt's logits (rows, V) and write its slot's state
         into the rows after the live slots, [first_slot, first_slot + rows)."""
         st, dev = self.state, self.device
-        rows = torch.arange(first_slot, first_slot + len(seq_ids), device=dev)
+        # A slice, not an index tensor: `t[index] = scalar` would copy the scalar to the GPU, a host sync.
+        rows = slice(first_slot, first_slot + len(seq_ids))
         seed = to_device(torch.tensor(seeds, dtype=torch.int64), dev)
         first, first_logp = sample_tokens(logits, params, seed, torch.zeros_like(seed), self.cfg.sampler)
         M = st.block_table.shape[1]  # one tensor for all the new rows, not one per sequence (host time)
@@ -210,6 +211,7 @@ class Engine:
         st.out_tok[rows, 0] = first
         st.out_logp[rows, 0] = first_logp
         st.done[rows] = ends_with_stop(st.out_tok[rows], st.ctr[rows], st.stops) | (max_new <= 1)
+
 
 def _collect(finished_rows: list[tuple], N: int) -> Rollout:
     """The rows gathered at each sync -> the rollout's N completions in sequence order: the one host sync of a

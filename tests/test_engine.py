@@ -347,5 +347,7 @@ def test_a_rollout_waits_for_the_gpu_only_to_read_its_done_mask(prompts, monkeyp
             assert rollout().tokens == warm.tokens
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+    # Only the sync warnings themselves: setting the mode also warns, once, that it is a prototype feature.
+    syncs = sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught
+                    if "called a synchronizing CUDA operation" in str(w.message)})
     assert not syncs, f"host syncs inside the rounds at {syncs}"

@@ -5,7 +5,7 @@ smoke preset does not cover, a tied embedding / LM head, bf16 weights and a shar
 
 First checks StochasticAdamW on a sharded parameter against the whole one, bit for bit (each element keeps
 its noise index); then runs `trainer(...)` for STEPS steps and writes the full weights and the step metrics
-to OUT/params.pt (rank 0).
+to OUT/params.pt (rank 0), the weights after each step.
 """
 
 import sys
@@ -66,8 +66,11 @@ def main(out: Path) -> None:
     dist, _ = distributed.init_from_env("cpu")
     check_sharded_optimizer_step()
     run = trainer(out, dist)
-    records = [run.step() for _ in range(STEPS)]
-    weights = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    records, weights = [], []
+    for _ in range(STEPS):  # the full weights after each step (gathered on every rank, kept on rank 0)
+        records.append(run.step())
+        weights.append(get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True,
+                                                                                cpu_offload=True)))
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
         torch.save({"weights": weights, "records": records}, out / "params.pt")

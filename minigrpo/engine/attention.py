@@ -42,7 +42,7 @@ def decode_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     page = block_table.gather(1, (pos // S)[:, None].long()).squeeze(1)         # (B,)
     slots = torch.where(seq_lens > 0, page * S + pos % S, -1)                   # (B,) int32, -1: store nothing
     q = rope_store(q, k, v, k_pool, v_pool, slots, cos, sin)
-    return cached_attention(backend, q, k_pool, v_pool, block_table, seq_lens, scale)
+    return _PLAIN[backend](q, k_pool, v_pool, block_table, seq_lens, scale)
 
 
 def cached_attention(backend: str, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -50,9 +50,7 @@ def cached_attention(backend: str, q: torch.Tensor, k_pool: torch.Tensor, v_pool
     """Attention of q (B, Hq, D), already rotated, over each sequence's first seq_lens tokens, all already in
     the cache, in plain PyTorch (backend eager or sdpa). -> (B, Hq, D)"""
     check_decode_inputs(q, k_pool, v_pool, block_table, seq_lens)
-    if backend == "eager":
-        return _eager_decode(q, k_pool, v_pool, block_table, seq_lens, scale)
-    return _sdpa_decode(q, k_pool, v_pool, block_table, seq_lens, scale)
+    return _PLAIN[backend](q, k_pool, v_pool, block_table, seq_lens, scale)
 
 
 def _gather(q, k_pool, v_pool, block_table, seq_lens):
@@ -87,6 +85,9 @@ def _sdpa_decode(q, k_pool, v_pool, block_table, seq_lens, scale):
     out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          scale=scale)                           # (B, Hkv, R, D)
     return out.reshape(q.shape)
+
+
+_PLAIN = {"eager": _eager_decode, "sdpa": _sdpa_decode}  # the plain-PyTorch backends, inputs already checked
 
 
 def rope_store(q, k, v, k_pool, v_pool, slots, cos, sin) -> torch.Tensor:

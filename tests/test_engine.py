@@ -323,8 +323,9 @@ def test_a_rollout_waits_for_the_gpu_only_to_read_its_done_mask(prompts, monkeyp
     import minigrpo.engine.engine as engine_module
 
     stops = tuple(range(0, 256, 16))  # MAX_STOPS ids: most sequences stop early, in different rounds
+    # max_batch 8 holds 2 of the 4 groups (G = 3): the others are admitted while slots decode
     engine = Engine(CFG, EngineConfig(attn="triton", sampler="triton", compile="step", cuda_graphs=True,
-                                      page_size=8, max_batch=16, max_seq_len=64, sync_every=4), device="cuda")
+                                      page_size=8, max_batch=8, max_seq_len=64, sync_every=4), device="cuda")
     engine.load_weights(random_model(CFG, seed=0, std=0.2, dtype=torch.bfloat16, device="cuda"))
     params, seeds = SamplingParams(temperature=0.9), list(range(len(prompts) * G))
 

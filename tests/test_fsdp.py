@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 import torch
-from fsdp_worker import STEPS, trainer
+from fsdp_worker import trainer
 from test_distributed import assert_close, checkpoint_params, torchrun
 
 import train

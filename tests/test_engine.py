@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import random_model, tiny_config
 
+from minigrpo.engine import engine as engine_module
 from minigrpo.engine.config import EngineConfig
 from minigrpo.engine.decode import decode_step
 from minigrpo.engine.engine import Engine
@@ -320,8 +321,6 @@ def test_a_rollout_waits_for_the_gpu_only_to_read_its_done_mask(prompts, monkeyp
     # .item(), `t[index] = scalar`) would idle the GPU at every round. Sync debug mode warns at each; it does not
     # see the done mask's event wait, the one wait a round makes. The final collection (engine._collect) waits
     # once, by design.
-    import minigrpo.engine.engine as engine_module
-
     stops = tuple(range(0, 256, 16))  # MAX_STOPS ids: most sequences stop early, in different rounds
     # max_batch 8 holds 2 of the 4 groups (G = 3): the others are admitted while slots decode
     engine = Engine(CFG, EngineConfig(attn="triton", sampler="triton", compile="step", cuda_graphs=True,

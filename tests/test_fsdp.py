@@ -125,7 +125,7 @@ def _single(out, **overrides):
     """A single process's weights after step 1, and its step metrics."""
     one = trainer(out, **overrides)
     records = [one.step()]
-    return {k: v.clone() for k, v in one.model.state_dict().items()}, records
+    return one.model.state_dict(), records
 
 
 def _mean_difference(a: dict, b: dict) -> float:

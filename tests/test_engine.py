@@ -158,6 +158,15 @@ def test_the_reference_backend_refuses_an_empty_prompt(model):
         ReferenceBackend(model, pad_id=0).generate([[1], []], 1, 4, GREEDY, (), seeds=[0, 1])
 
 
+def test_without_seeds_the_reference_backend_draws_as_the_engine_does(model):
+    # seeds=None means seeds 0..N-1 for both backends, as the engine documents; the reference once failed on it
+    params = SamplingParams(temperature=1.0)
+    ref = ReferenceBackend(model, pad_id=0)
+    default = ref.generate([[1, 2], [3]], 2, 6, params, (), seeds=None)
+    explicit = ref.generate([[1, 2], [3]], 2, 6, params, (), seeds=[0, 1, 2, 3])
+    assert default.tokens == explicit.tokens and default.logprobs == explicit.logprobs
+
+
 def test_bad_engine_config_names_the_field():
     for bad, message in ((dict(page_size=0), "page_size must be a power of two, got 0"),
                          (dict(page_size=12), "page_size must be a power of two, got 12"),

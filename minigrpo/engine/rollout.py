@@ -38,7 +38,7 @@ class ReferenceBackend:
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda):
                 ids = tuple(s for s in stop_ids if isinstance(s, int))  # token sequences: the engine's early exit
                 return generate(self.model, expanded, max_new_tokens, params=params, stop_ids=ids,
-                                pad_id=self.pad_id, seeds=None if seeds is None else list(seeds))
+                                pad_id=self.pad_id, seeds=seeds)
         finally:
             self.model.train(was_training)
 

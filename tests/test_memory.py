@@ -219,14 +219,14 @@ def test_a_compiled_layer_saves_at_most_the_estimate_on_the_gpu():
     ratio."""
     from minigrpo.model.packing import pack
     from minigrpo.rl.memory import _layer_bytes, _Packing
-    from minigrpo.rl.trainer import LAYER_OPTIONS
+    from minigrpo.rl.trainer import layer_options
 
     if not (SIZES["7b"] / "config.json").is_file():
         pytest.skip("no published 7B config")
     m = replace(ModelConfig.from_json(SIZES["7b"]), num_hidden_layers=2, vocab_size=512)
     model = Qwen2ForCausalLM(m).to("cuda", torch.bfloat16).train()
     for layer in model.model.layers:
-        layer.compile(options=LAYER_OPTIONS)
+        layer.compile(options=layer_options())
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 500, (128 + 40 * i,), generator=gen).tolist() for i in range(2)] * 2
     completions = [torch.randint(1, 500, (256,), generator=gen).tolist() for _ in range(4)]

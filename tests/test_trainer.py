@@ -799,13 +799,13 @@ def test_compiled_layers_serve_every_batch_shape_with_one_graph_per_grad_mode(mo
 def test_compiled_layer_trains_micro_batches_either_side_of_the_mix_order_bound_with_one_graph(default):
     # On CUDA, Inductor fuses each norm's two backward reductions (over rows, over columns) when B x T x C >= 5 x 2^20
     # and by default guards on that: a micro-batch on the other side of the bound compiles a second graph (~10 s at
-    # 0.5B). LAYER_OPTIONS drops the guard; the defaults' second graph shows what this test can catch.
-    from minigrpo.rl.trainer import LAYER_OPTIONS
+    # 0.5B). layer_options() drops the guard; the defaults' second graph shows what this test can catch.
+    from minigrpo.rl.trainer import layer_options
 
     torch._dynamo.reset()
     model = random_model(tiny_config(head_dim=64), dtype=torch.bfloat16, device="cuda")  # C = 896, as the 0.5B
     for layer in model.model.layers:
-        layer.compile(options={} if default else LAYER_OPTIONS)
+        layer.compile(options={} if default else layer_options())
     counters = torch._dynamo.utils.counters["stats"]
     graphs = counters["unique_graphs"]
     # B x T: 8192 and 7488 above 5852, 2048 below; widths are multiples of 8, as the trainer's (SequenceBatch):

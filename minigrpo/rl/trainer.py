@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch._inductor.config
 from torch.distributed.checkpoint import state_dict as dcp
 
 from minigrpo.model.sampling import SamplingParams
@@ -53,7 +52,14 @@ RECOMPILE_LIMIT = 32  # graphs one compiled decoder layer may need before that i
 # Inductor fuses a norm's two backward reductions (over rows, over columns) above a size and by default guards on it:
 # a graph more whenever a micro-batch crosses B x T x C = 5 x 2^20. Non-strict mode, where torch has it: no such guard.
 _NON_STRICT = "mix_order_reduction_non_strict_mode"
-LAYER_OPTIONS = {f"triton.{_NON_STRICT}": True} if hasattr(torch._inductor.config.triton, _NON_STRICT) else {}
+
+
+def layer_options() -> dict:
+    """Inductor's options for a decoder layer. Its config is imported here, not at the top: ~1 s of start-up that
+    an uncompiled run (the CPU's, a refused command line) never uses."""
+    import torch._inductor.config
+
+    return {f"triton.{_NON_STRICT}": True} if hasattr(torch._inductor.config.triton, _NON_STRICT) else {}
 
 
 @dataclass
@@ -85,9 +91,10 @@ def _compile_layers(models: list) -> None:
     every layer of every model; the packed tokens and rows are dynamic sizes (Qwen2ForCausalLM.hidden_states): one
     graph per grad mode (two with grad when only some layers recompute). nn.Module.compile keeps the state-dict
     names."""
+    options = layer_options()
     for m in models:
         for layer in m.model.layers:
-            layer.compile(options=LAYER_OPTIONS)
+            layer.compile(options=options)
     _fail_past_recompile_limit()
 
 

@@ -25,8 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.tensor import DTensor
 
 from minigrpo.model.checkpoint import fsync_tree, load_model, replace_dir, save_model, written
 from minigrpo.model.config import ModelConfig
@@ -155,6 +153,10 @@ def load_checkpoint(path: str | Path, model) -> dict:
         raise ValueError(f"cannot resume from {path}: its model has another shape than this run's "
                          f"(checkpoint vs now: {', '.join(differ)}); resume with the model it was trained from")
     saved = load_model(path / "model", dtype=next(model.parameters()).dtype, device="cpu").state_dict()
+    # Imported here: ~1 s of start-up that weights/download.py (which imports this module through run_dir) never uses.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
     if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP: each full tensor in turn, cut to its shard
         set_model_state_dict(model, saved, options=StateDictOptions(full_state_dict=True))
     else:  # copied in place; set_model_state_dict would first copy the whole state dict to the device

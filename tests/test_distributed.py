@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -42,21 +43,32 @@ ARGS = ["--preset", "smoke", "-B", "4", "-G", "8", "--minibatch-size", "8", "--m
 ATOL = 1e-5
 
 
+# A gloo rank's C++ runtime aborting with no Python error: seen once in CI (tests/fsdp_worker.py, session 38's
+# commits), never in 400 runs of the same worker on another CPU (bench/NOTES.md, session 39). A worker script (it
+# writes `out` only at its end) is then rerun once, with a warning; a second abort, or any other failure, fails the
+# test. train.py is never rerun: its run folder is the state under test.
+_ABORT = "terminate called without an active exception"
+
+
 def torchrun(out: Path, *extra: str, args=ARGS, script="train.py", timeout: float = 300) -> str:
     """Run `script` (train.py: with `args`, --out and `extra`) on 2 ranks; returns its stderr. --standalone:
-    torchrun picks a free port itself."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    torchrun picks a free port itself. PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     argv = [*args, "--out", str(out), *extra] if script == "train.py" else [str(out), *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *argv]
-    # A session of its own, so that a hang (e.g. ranks disagreeing on collectives) kills the workers too.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {timeout} s:\n{stderr[-4000:]}")
+    for attempt in (1, 2):
+        # A session of its own, so that a hang (e.g. ranks disagreeing on collectives) kills the workers too.
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"torchrun did not finish in {timeout} s:\n{stderr[-4000:]}")
+        if proc.returncode == 0 or script == "train.py" or attempt == 2 or _ABORT not in stderr or "Traceback" in stderr.split(_ABORT)[0]:
+            break
+        warnings.warn(f"a rank aborted in C++ ({_ABORT}); rerunning once:\n{stderr[-3000:]}")
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     return stderr
 

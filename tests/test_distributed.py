@@ -50,6 +50,10 @@ ATOL = 1e-5
 _ABORT = "terminate called without an active exception"
 
 
+def _aborted_in_cpp(stderr: str) -> bool:
+    return _ABORT in stderr and "Traceback" not in stderr.split(_ABORT)[0]
+
+
 def torchrun(out: Path, *extra: str, args=ARGS, script="train.py", timeout: float = 300) -> str:
     """Run `script` (train.py: with `args`, --out and `extra`) on 2 ranks; returns its stderr. --standalone:
     torchrun picks a free port itself. PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack."""
@@ -66,7 +70,7 @@ def torchrun(out: Path, *extra: str, args=ARGS, script="train.py", timeout: floa
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
             pytest.fail(f"torchrun did not finish in {timeout} s:\n{stderr[-4000:]}")
-        if proc.returncode == 0 or script == "train.py" or attempt == 2 or _ABORT not in stderr or "Traceback" in stderr.split(_ABORT)[0]:
+        if proc.returncode == 0 or script == "train.py" or attempt == 2 or not _aborted_in_cpp(stderr):
             break
         warnings.warn(f"a rank aborted in C++ ({_ABORT}); rerunning once:\n{stderr[-3000:]}")
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]

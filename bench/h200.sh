@@ -29,11 +29,12 @@ case "${1:-}" in
     SEL=("${@:2}"); [ ${#SEL[@]} -gt 0 ] || SEL=(tests/test_gpu.py)  # pytest node ids / flags, in order
     MINIGRPO_GPU_WEIGHTS=/tmp/fit05b python3 -m pytest -q -s -m gpu -p no:cacheprovider --timeout 150 "${SEL[@]}" \
       2>&1 | tee "$OUT/gpu_fitted.log" | grep -E "^\[|passed|failed|FAILED|Error" ;;
-  fittedvs)    # issue 20's step on the fitted 0.5B (fitted as in `fitted`), this tree against .rev/pre (carry .rev;
-               # `revs pre=1ffcef6^` here first), 32-row micro-batches, STEPS per variant (default 10; ~5 min)
-    [ -d /tmp/fit05b ] || python3 bench/fit_gsm8k.py --data "$DATA" --out /tmp/fit05b --steps 300 --seconds 140 2>&1 \
-      | tee "$OUT/fit.log" | tail -1  # shorter than `fitted`'s fit: both parts fit in one call
-    OUT=$OUT/fittedvs python3 bench/speed.py --model-dir /tmp/fit05b --data "$DATA" --steps ${STEPS:-10} \
+  fittedvs)    # issue 20's step on a fitted 0.5B, this tree against .rev/pre (carry .rev; `revs pre=1ffcef6^` here
+               # first), 32-row micro-batches, STEPS per variant (default 10; ~5 min). A shorter fit than `fitted`'s,
+               # so that both parts fit one call, in a folder of its own (`fitted` checks the longer one)
+    [ -d /tmp/fit05b300 ] || python3 bench/fit_gsm8k.py --data "$DATA" --out /tmp/fit05b300 --steps 300 --seconds 140 \
+      2>&1 | tee "$OUT/fit.log" | tail -1
+    OUT=$OUT/fittedvs python3 bench/speed.py --model-dir /tmp/fit05b300 --data "$DATA" --steps ${STEPS:-10} \
       --variant pre=.rev/pre:--micro-batch-size=32 --variant now=.:--micro-batch-size=32 | sed -n '/^summary/,$p' ;;
   attention)   # decode-attention microbenchmark (Triton vs gather+SDPA vs dense SDPA); issue 20's long contexts:
                # `attention --points 64x8192,256x4096,256x2048`

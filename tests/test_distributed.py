@@ -60,21 +60,25 @@ def torchrun(out: Path, *extra: str, args=ARGS, script="train.py", timeout: floa
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     argv = [*args, "--out", str(out), *extra] if script == "train.py" else [str(out), *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *argv]
-    for attempt in (1, 2):
-        # A session of its own, so that a hang (e.g. ranks disagreeing on collectives) kills the workers too.
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            pytest.fail(f"torchrun did not finish in {timeout} s:\n{stderr[-4000:]}")
-        if proc.returncode == 0 or script == "train.py" or attempt == 2 or not _aborted_in_cpp(stderr):
-            break
+    proc, stdout, stderr = _launch(cmd, env, timeout)
+    if proc.returncode != 0 and script != "train.py" and _aborted_in_cpp(stderr):
         warnings.warn(f"a rank aborted in C++ ({_ABORT}); rerunning once:\n{stderr[-3000:]}")
+        proc, stdout, stderr = _launch(cmd, env, timeout)
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     return stderr
+
+
+def _launch(cmd: list[str], env: dict, timeout: float) -> tuple[subprocess.Popen, str, str]:
+    # A session of its own, so that a hang (e.g. ranks disagreeing on collectives) kills the workers too.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {timeout} s:\n{stderr[-4000:]}")
+    return proc, stdout, stderr
 
 
 def checkpoint_params(out: Path, step: int) -> dict:

@@ -219,7 +219,7 @@ def test_a_compiled_layer_saves_at_most_the_estimate_on_the_gpu():
     ratio."""
     from minigrpo.model.packing import pack
     from minigrpo.rl.memory import _layer_bytes, _Packing
-    from minigrpo.rl.trainer import layer_options
+    from minigrpo.rl.compile_layers import layer_options
 
     if not (SIZES["7b"] / "config.json").is_file():
         pytest.skip("no published 7B config")

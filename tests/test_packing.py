@@ -112,7 +112,7 @@ def test_compiled_layers_serve_every_packing_with_one_graph_per_grad_mode(device
     # On the CPU Dynamo alone (the eager backend); on CUDA Inductor too, as the trainer compiles, in bf16.
     import torch._dynamo
 
-    from minigrpo.rl.trainer import layer_options
+    from minigrpo.rl.compile_layers import layer_options
 
     torch._dynamo.reset()
     model = random_model(tiny_config(head_dim=64), seed=0, device=device,
@@ -142,7 +142,7 @@ def test_compiled_layers_serve_every_packing_with_one_graph_per_grad_mode(device
 def test_a_training_micro_batch_never_waits_for_the_gpu():
     # Selecting, packing and copying a micro-batch, its forward and backward queue behind the GPU's work: a host sync
     # there (a pageable copy, .item()) would drain the queue at every micro-batch (model/transfer.py)
-    from minigrpo.rl.trainer import layer_options
+    from minigrpo.rl.compile_layers import layer_options
 
     model = random_model(tiny_config(head_dim=64), seed=0, device="cuda", dtype=torch.bfloat16).train()
     for layer in model.model.layers:

@@ -764,11 +764,11 @@ def test_compiled_layers_serve_every_batch_shape_with_one_graph_per_grad_mode(mo
     # each on the H200. Past RECOMPILE_LIMIT graphs Dynamo raises instead of running eager without a word.
     import torch._dynamo
 
-    from minigrpo.rl.trainer import RECOMPILE_LIMIT, _fail_past_recompile_limit
+    from minigrpo.rl.compile_layers import RECOMPILE_LIMIT, fail_past_recompile_limit
 
     for name in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit"):
         monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))  # restored after
-    _fail_past_recompile_limit()
+    fail_past_recompile_limit()
     torch._dynamo.reset()
     model = random_model(tiny_config(), seed=0)
     for layer in model.model.layers:
@@ -800,7 +800,7 @@ def test_compiled_layer_trains_micro_batches_either_side_of_the_mix_order_bound_
     # On CUDA, Inductor fuses each norm's two backward reductions (over rows, over columns) when B x T x C >= 5 x 2^20
     # and by default guards on that: a micro-batch on the other side of the bound compiles a second graph (~10 s at
     # 0.5B). layer_options() drops the guard; the defaults' second graph shows what this test can catch.
-    from minigrpo.rl.trainer import layer_options
+    from minigrpo.rl.compile_layers import layer_options
 
     torch._dynamo.reset()
     model = random_model(tiny_config(head_dim=64), dtype=torch.bfloat16, device="cuda")  # C = 896, as the 0.5B

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint import state_dict as dcp
 
 from minigrpo.model.sampling import SamplingParams
 from minigrpo.model.transfer import to_device
+from minigrpo.rl.compile_layers import compile_layers
 from minigrpo.rl.config import RESUMABLE_CHANGES, WEIGHT_DTYPES, TrainConfig, lr_factor
 from minigrpo.rl.data import ROLLOUT, ROUNDING, SHUFFLE, EpochSampler, derive_seeds
 from minigrpo.rl.distributed import Dist, GradSync, frozen_forward
@@ -48,18 +49,6 @@ from minigrpo.run.stopping import NonFiniteError, nonfinite
 INPUTS = {"prompts": "the training prompts (--train-data, --task, --template or the tokenizer)",
           "answers": "the training answers (--train-data or --answer-field)",
           "reference": "the KL reference's weights (the initial model, --model-dir)"}  # Trainer.inputs, in words
-RECOMPILE_LIMIT = 32  # graphs one compiled decoder layer may need before that is an error (_fail_past_recompile_limit)
-# Inductor fuses a norm's two backward reductions (over rows, over columns) above a size and by default guards on it:
-# a graph more whenever a micro-batch crosses B x T x C = 5 x 2^20. Non-strict mode, where torch has it: no such guard.
-_NON_STRICT = "mix_order_reduction_non_strict_mode"
-
-
-def layer_options() -> dict:
-    """Inductor's options for a decoder layer. Its config is imported here, not at the top: ~1 s of start-up that
-    an uncompiled run (the CPU's, a refused command line) never uses."""
-    import torch._inductor.config
-
-    return {f"triton.{_NON_STRICT}": True} if hasattr(torch._inductor.config.triton, _NON_STRICT) else {}
 
 
 @dataclass
@@ -75,27 +64,6 @@ class _Rows:
     def mask(self) -> torch.Tensor:
         """(n, C) the trained tokens; none for a stand-in row."""
         return self.batch.mask * bool(self.position)
-
-
-def _fail_past_recompile_limit() -> None:
-    """Make Dynamo raise, not silently fall back to eager, if a decoder layer needs more graphs than its grad
-    modes and a few shape guards. Process-wide: it also covers the engine's compiled step."""
-    cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
-    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, RECOMPILE_LIMIT)
-    cfg.fail_on_recompile_limit_hit = True
-
-
-def _compile_layers(models: list) -> None:
-    """Fuses each decoder layer's ~50 small elementwise kernels. Parameters are graph inputs, so one compile serves
-    every layer of every model; the packed tokens and rows are dynamic sizes (Qwen2ForCausalLM.hidden_states): one
-    graph per grad mode (two with grad when only some layers recompute). nn.Module.compile keeps the state-dict
-    names."""
-    options = layer_options()
-    for m in models:
-        for layer in m.model.layers:
-            layer.compile(options=options)
-    _fail_past_recompile_limit()
 
 
 def _inputs(task, ref) -> dict[str, str]:
@@ -132,7 +100,7 @@ class Trainer:
         # and resume() checks the anchor's fingerprint against the checkpoint's.
         self.ref = copy.deepcopy(model).requires_grad_(False).eval() if cfg.kl_beta > 0 else None
         if cfg.compile_policy:
-            _compile_layers([m for m in (model, self.ref) if m is not None])
+            compile_layers([m for m in (model, self.ref) if m is not None])
         self.inputs = _inputs(task, self.ref)  # before FSDP shards the reference
         self.sampler = EpochSampler(len(task), cfg.seed)  # the global prompt order, the same on every rank
         dist.shard(range(cfg.prompts_per_step), "prompts per step (-B)")  # fails now, not at step 1
